@@ -1,0 +1,151 @@
+//! The memkv wire protocol: a fixed 32-byte frame header, then a control body (key tables,
+//! status tables), then an optional bulk payload (values, back to back). This crate only encodes
+//! and decodes bytes; it never touches sockets. `docs/protocol.md` is the prose version.
+
+pub mod body;
+pub mod header;
+
+pub use body::*;
+pub use header::*;
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+/// Longest key accepted, in bytes. vLLM keys are ~100-200 bytes; 1 KiB leaves room for prefixes.
+pub const MAX_KEY_LEN: usize = 1024;
+/// Most keys in one batch frame.
+pub const MAX_BATCH: usize = 65_536;
+/// Largest control body (key and status tables, stats JSON). Values travel in the payload.
+pub const MAX_BODY_LEN: u32 = 96 << 20;
+/// Length of the auth challenge nonce and of the HMAC-SHA256 answer.
+pub const NONCE_LEN: usize = 32;
+
+/// Per-key outcome carried in every batch reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Status {
+    Ok = 0,
+    /// Not stored (never written, evicted, deleted, or dropped after a checksum mismatch).
+    NotFound = 1,
+    /// GET: the stored value's length differs from the caller's buffer; no byte was sent.
+    LengthMismatch = 2,
+    /// PUT: the value is larger than the server accepts.
+    TooLarge = 3,
+    /// PUT: no room even after eviction (everything pinned or leased).
+    NoSpace = 4,
+    /// Client side: the server owning the key is down, slow or misbehaved.
+    Unavailable = 5,
+    /// GET: the stored bytes failed their checksum; the value was dropped.
+    Corrupt = 6,
+    /// The key is empty or longer than `MAX_KEY_LEN`.
+    InvalidKey = 7,
+    /// EXISTS with a lease: found, but the lane's leased-bytes bound is reached, so no lease.
+    OkNoLease = 8,
+}
+
+impl Status {
+    pub fn from_u8(v: u8) -> Option<Status> {
+        use Status::*;
+        Some(match v {
+            0 => Ok,
+            1 => NotFound,
+            2 => LengthMismatch,
+            3 => TooLarge,
+            4 => NoSpace,
+            5 => Unavailable,
+            6 => Corrupt,
+            7 => InvalidKey,
+            8 => OkNoLease,
+            _ => return None,
+        })
+    }
+
+    /// True for statuses meaning "the value is there" (EXISTS) or "the bytes arrived" (GET/PUT).
+    pub fn is_ok(self) -> bool {
+        matches!(self, Status::Ok | Status::OkNoLease)
+    }
+}
+
+/// HMAC-SHA256(key, nonce): the answer to the server's auth challenge.
+pub fn auth_mac(key: &[u8], nonce: &[u8]) -> [u8; 32] {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("hmac takes any key length");
+    mac.update(nonce);
+    mac.finalize().into_bytes().into()
+}
+
+/// Constant-time check of an auth answer.
+pub fn auth_verify(key: &[u8], nonce: &[u8], answer: &[u8]) -> bool {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("hmac takes any key length");
+    mac.update(nonce);
+    mac.verify_slice(answer).is_ok()
+}
+
+/// Checksum stored with every value and verified before any byte of it is served.
+#[inline]
+pub fn checksum(data: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(data)
+}
+
+/// Protocol violations. Each maps to an error frame code sent before the connection closes.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ProtoError {
+    #[error("bad magic bytes {0:02x?} (not a memkv peer)")]
+    BadMagic([u8; 2]),
+    #[error("unsupported protocol version {0} (this side speaks {VERSION})")]
+    BadVersion(u8),
+    #[error("unknown opcode {0:#04x}")]
+    BadOpcode(u8),
+    #[error("unknown flags {0:#x}")]
+    BadFlags(u32),
+    #[error("control body of {0} bytes exceeds the limit of {MAX_BODY_LEN}")]
+    BodyTooLarge(u32),
+    #[error("malformed body: {0}")]
+    Malformed(&'static str),
+    #[error("batch of {0} keys exceeds the limit of {MAX_BATCH}")]
+    BatchTooLarge(usize),
+}
+
+impl ProtoError {
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            ProtoError::BadMagic(_) => ErrorCode::BadMagic,
+            ProtoError::BadVersion(_) => ErrorCode::BadVersion,
+            ProtoError::BadOpcode(_) | ProtoError::BadFlags(_) => ErrorCode::BadOpcode,
+            ProtoError::BodyTooLarge(_) | ProtoError::BatchTooLarge(_) => ErrorCode::TooLarge,
+            ProtoError::Malformed(_) => ErrorCode::Malformed,
+        }
+    }
+}
+
+/// Codes carried by an `Opcode::Error` frame. The server closes the connection after sending one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum ErrorCode {
+    BadMagic = 1,
+    BadVersion = 2,
+    BadOpcode = 3,
+    Malformed = 4,
+    TooLarge = 5,
+    Unauthenticated = 6,
+    AuthFailed = 7,
+    ShuttingDown = 8,
+    Internal = 9,
+}
+
+impl ErrorCode {
+    pub fn from_u16(v: u16) -> Option<ErrorCode> {
+        use ErrorCode::*;
+        Some(match v {
+            1 => BadMagic,
+            2 => BadVersion,
+            3 => BadOpcode,
+            4 => Malformed,
+            5 => TooLarge,
+            6 => Unauthenticated,
+            7 => AuthFailed,
+            8 => ShuttingDown,
+            9 => Internal,
+            _ => return None,
+        })
+    }
+}
