@@ -1,0 +1,450 @@
+"""Connection settings for the memkv client: one typed, validated, immutable object.
+
+Sources, highest precedence first:
+
+1. ``overrides`` passed to :func:`load_config` (e.g. keys of a vLLM ``kv_connector_extra_config``),
+2. the yaml file named by ``MEMKV_CONFIG``,
+3. ``MEMKV_<KEY>`` environment variables (``MEMKV_SERVERS``, ``MEMKV_AUTH_KEY``, ...),
+4. defaults.
+
+A key set in the yaml file therefore wins over the matching environment variable: the file is
+the deliberate, reviewed configuration, the environment is the convenient fallback.
+
+Every bad value raises :class:`ConfigError` naming the key and where it came from. The auth key
+never appears in an error, ``repr`` or :meth:`MemKVConfig.describe`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import attrs
+import yaml
+
+__all__ = [
+    "CONFIG_ENV",
+    "CONFIG_KEYS",
+    "DEFAULT_PORT",
+    "ENV_PREFIX",
+    "ConfigError",
+    "MemKVConfig",
+    "env_name",
+    "load_config",
+    "parse_server",
+]
+
+log = logging.getLogger(__name__)
+
+ENV_PREFIX = "MEMKV_"
+CONFIG_ENV = "MEMKV_CONFIG"
+DEFAULT_PORT = 7390
+
+Transport = Literal["tcp", "rdma", "auto"]
+TRANSPORTS: tuple[str, ...] = ("tcp", "rdma", "auto")
+
+# MEMKV_* variables that are not client settings but are legitimately set next to them (the
+# server's own flags, logging, test fixtures). They are neither parsed nor warned about.
+NON_CLIENT_ENV: frozenset[str] = frozenset(
+    {
+        CONFIG_ENV,
+        "MEMKV_LOG",
+        "MEMKV_LISTEN",
+        "MEMKV_MEMORY",
+        "MEMKV_LANES",
+        "MEMKV_METRICS",
+        "MEMKV_BIN",
+    }
+)
+
+# Upper bounds are sanity limits that catch unit mistakes (ms given for s, bytes for count); the
+# wire format carries lease_ms as u32 but a lease longer than an hour only pins memory.
+_MAX_THREADS = 1024
+_MAX_CONNECTIONS = 1024
+_MAX_LEASE_MS = 3_600_000
+_MAX_TIMEOUT_S = 86_400.0
+_AUTH_KEY_HEX_LEN = 64
+
+
+class ConfigError(ValueError):
+    """A missing, unknown or invalid setting. ``key`` and ``source`` say which one and where."""
+
+    def __init__(self, key: str | None, source: str, message: str) -> None:
+        self.key = key
+        self.source = source
+        self.reason = message
+        where = source if key is None else f"{key!r} from {source}"
+        super().__init__(f"memkv config: {where}: {message}")
+
+
+# --- value checks -------------------------------------------------------------------------------
+# Each check takes an already-typed value and raises ValueError with a message that never echoes
+# the auth key. The loader's parsers turn strings (env, yaml) into typed values first.
+
+# RFC 1123 host name: dot-separated labels of letters, digits and inner hyphens.
+_HOSTNAME_RE = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$"
+)
+_PORT_RE = re.compile(r"^[0-9]{1,5}$")
+_DEVICE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_INT_RE = re.compile(r"^[+-]?[0-9]+$")
+
+
+def parse_server(text: str) -> str:
+    """Validate one ``host:port`` (``[v6addr]:port`` for IPv6) and return its canonical spelling.
+
+    Canonical means lower-case host names and compressed IPv6, so that every process that lists
+    the same servers hashes keys to the same places whatever the spelling.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"a server must be a 'host:port' string, got {type(text).__name__}")
+    s = text.strip()
+    if not s:
+        raise ValueError("empty server address")
+    if s.startswith("["):
+        close = s.find("]")
+        if close < 0 or s[close + 1 : close + 2] != ":":
+            raise ValueError(f"server {s!r} must look like '[v6addr]:port'")
+        host_text, port_text = s[1:close], s[close + 2 :]
+        try:
+            addr = ipaddress.IPv6Address(host_text)
+        except ValueError:
+            raise ValueError(f"server {s!r}: {host_text!r} is not an IPv6 address") from None
+        host = f"[{addr.compressed}]"
+    else:
+        if s.count(":") != 1:
+            hint = " (write IPv6 addresses as '[addr]:port')" if s.count(":") > 1 else ""
+            raise ValueError(f"server {s!r} must look like 'host:port'{hint}")
+        host_text, port_text = s.split(":")
+        try:
+            host = str(ipaddress.IPv4Address(host_text))
+        except ValueError:
+            if not _HOSTNAME_RE.match(host_text) or host_text.replace(".", "").isdigit():
+                raise ValueError(f"server {s!r}: {host_text!r} is not a valid host name") from None
+            host = host_text.lower().rstrip(".")
+    if not _PORT_RE.match(port_text) or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"server {s!r}: port must be an integer in 1..65535")
+    return f"{host}:{int(port_text)}"
+
+
+def _check_servers(value: tuple[str, ...]) -> None:
+    if not isinstance(value, tuple) or not value:
+        raise ValueError("at least one 'host:port' server is required")
+    seen: set[str] = set()
+    for s in value:
+        canon = parse_server(s)
+        if canon != s:
+            # Constructed directly with a non-canonical spelling: refuse rather than silently
+            # hash differently from a process that loaded the same list through load_config.
+            raise ValueError(f"server {s!r} is not in canonical form (use {canon!r})")
+        if canon in seen:
+            raise ValueError(f"server {canon!r} is listed twice")
+        seen.add(canon)
+
+
+def _check_auth_key(value: bytes | None) -> None:
+    if value is not None and (not isinstance(value, bytes) or len(value) != 32):
+        raise ValueError("must be 32 bytes (64 hex characters); the value is not shown")
+
+
+def _check_transport(value: str) -> None:
+    if value not in TRANSPORTS:
+        raise ValueError(f"must be one of {', '.join(TRANSPORTS)}, got {value!r}")
+
+
+def _check_devices(value: tuple[str, ...]) -> None:
+    if not isinstance(value, tuple):
+        raise ValueError("must be a list of RDMA device names")
+    for d in value:
+        if not isinstance(d, str) or not _DEVICE_RE.match(d):
+            raise ValueError(f"{d!r} is not a valid RDMA device name (e.g. 'mlx5_0')")
+    if len(set(value)) != len(value):
+        raise ValueError("lists a device twice")
+
+
+def _int_check(lo: int, hi: int) -> Callable[[int], None]:
+    def check(value: int) -> None:
+        # bool is an int subclass; True as a thread count is a typo, not a setting.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"must be an integer, got {type(value).__name__}")
+        if not lo <= value <= hi:
+            raise ValueError(f"must be in {lo}..{hi}, got {value}")
+
+    return check
+
+
+def _timeout_check(value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"must be a number of seconds, got {type(value).__name__}")
+    if not math.isfinite(value) or not 0 < value <= _MAX_TIMEOUT_S:
+        raise ValueError(f"must be a positive number of seconds up to {_MAX_TIMEOUT_S:g}")
+
+
+def _validator(check: Callable[[Any], None]) -> Callable[[Any, attrs.Attribute, Any], None]:
+    def validate(_inst: Any, attr: attrs.Attribute, value: Any) -> None:
+        try:
+            check(value)
+        except ValueError as e:
+            raise ConfigError(attr.name, "MemKVConfig(...) argument", str(e)) from None
+
+    return validate
+
+
+def _redact(value: bytes | None) -> str:
+    return "None" if value is None else "<redacted>"
+
+
+# --- the settings object ------------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class MemKVConfig:
+    """How a process reaches the memkv cluster. Build it with :func:`load_config`."""
+
+    servers: tuple[str, ...] = attrs.field(
+        default=(f"127.0.0.1:{DEFAULT_PORT}",), validator=_validator(_check_servers)
+    )
+    # 32-byte HMAC-SHA256 key shared with every server; None = no auth.
+    auth_key: bytes | None = attrs.field(
+        default=None, repr=_redact, validator=_validator(_check_auth_key)
+    )
+    # 'auto' = RDMA when a usable device exists, else TCP; resolved by the client at connect time.
+    transport: Transport = attrs.field(default="tcp", validator=_validator(_check_transport))
+    # Empty = all devices the RDMA stack reports.
+    rdma_devices: tuple[str, ...] = attrs.field(default=(), validator=_validator(_check_devices))
+    connections_per_server: int = attrs.field(
+        default=2, validator=_validator(_int_check(1, _MAX_CONNECTIONS))
+    )
+    connect_timeout_s: float = attrs.field(default=1.0, validator=_validator(_timeout_check))
+    op_timeout_s: float = attrs.field(default=10.0, validator=_validator(_timeout_check))
+    io_threads: int = attrs.field(default=8, validator=_validator(_int_check(1, _MAX_THREADS)))
+    # Lease that an exists() hit takes on the server so the value survives until the load;
+    # 0 = lookups take no lease.
+    lease_ms: int = attrs.field(default=10_000, validator=_validator(_int_check(0, _MAX_LEASE_MS)))
+    # Where each non-default setting came from, for describe(); not part of equality.
+    sources: tuple[tuple[str, str], ...] = attrs.field(default=(), eq=False, repr=False, hash=False)
+
+    def describe(self) -> str:
+        """One line for a startup log. Says whether auth is on, never the key itself."""
+        parts = [
+            f"servers={','.join(self.servers)}",
+            f"transport={self.transport}",
+        ]
+        if self.transport != "tcp":
+            parts.append(f"rdma_devices={','.join(self.rdma_devices) or 'all'}")
+        parts += [
+            f"connections_per_server={self.connections_per_server}",
+            f"connect_timeout_s={self.connect_timeout_s:g}",
+            f"op_timeout_s={self.op_timeout_s:g}",
+            f"io_threads={self.io_threads}",
+            f"lease_ms={self.lease_ms}",
+            f"auth={'on' if self.auth_key is not None else 'off'}",
+        ]
+        line = "memkv " + " ".join(parts)
+        if self.sources:
+            line += " (set by: " + ", ".join(f"{k}={src}" for k, src in self.sources) + ")"
+        return line
+
+
+CONFIG_KEYS: frozenset[str] = frozenset(
+    a.name for a in attrs.fields(MemKVConfig) if a.name != "sources"
+)
+
+
+def env_name(key: str) -> str:
+    """The environment variable for a setting: ``servers`` -> ``MEMKV_SERVERS``."""
+    return ENV_PREFIX + key.upper()
+
+
+# --- parsing raw values (strings from env/yaml, or typed values from yaml/overrides) -------------
+
+
+def _split_list(raw: Any) -> list[Any]:
+    if isinstance(raw, str):
+        return [p.strip() for p in raw.split(",") if p.strip()]
+    if isinstance(raw, (list, tuple)):
+        return list(raw)
+    raise ValueError(f"must be a comma-separated string or a list, got {type(raw).__name__}")
+
+
+def _parse_servers(raw: Any) -> tuple[str, ...]:
+    items = _split_list(raw)
+    servers = tuple(parse_server(s) for s in items)
+    _check_servers(servers)
+    return servers
+
+
+def _parse_auth_key(raw: Any) -> bytes | None:
+    if isinstance(raw, (bytes, bytearray)):
+        key = bytes(raw)
+    elif isinstance(raw, str):
+        text = raw.strip()
+        if len(text) != _AUTH_KEY_HEX_LEN:
+            raise ValueError(
+                f"must be exactly {_AUTH_KEY_HEX_LEN} hex characters (32 bytes), got "
+                f"{len(text)} characters; the value is not shown"
+            )
+        if not all(c in "0123456789abcdefABCDEF" for c in text):
+            raise ValueError("contains characters other than 0-9a-f; the value is not shown")
+        key = bytes.fromhex(text)
+    else:
+        # yaml reads an unquoted all-digit key as an int and drops leading zeros.
+        raise ValueError(
+            f"must be a quoted string of {_AUTH_KEY_HEX_LEN} hex characters, got "
+            f"{type(raw).__name__}; the value is not shown"
+        )
+    _check_auth_key(key)
+    return key
+
+
+def _parse_transport(raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise ValueError(f"must be one of {', '.join(TRANSPORTS)}, got {type(raw).__name__}")
+    value = raw.strip().lower()
+    _check_transport(value)
+    return value
+
+
+def _parse_devices(raw: Any) -> tuple[str, ...]:
+    items = _split_list(raw)
+    devices = tuple(d.strip() if isinstance(d, str) else d for d in items)
+    _check_devices(devices)
+    return devices
+
+
+def _int_parser(check: Callable[[int], None]) -> Callable[[Any], int]:
+    def parse(raw: Any) -> int:
+        if isinstance(raw, str):
+            text = raw.strip()
+            if not _INT_RE.match(text):
+                raise ValueError(f"must be an integer, got {text!r}")
+            value = int(text)
+        else:
+            value = raw
+        check(value)
+        return value
+
+    return parse
+
+
+def _parse_timeout(raw: Any) -> float:
+    if isinstance(raw, str):
+        try:
+            value: Any = float(raw.strip())
+        except ValueError:
+            raise ValueError(f"must be a number of seconds, got {raw.strip()!r}") from None
+    else:
+        value = raw
+    _timeout_check(value)
+    return float(value)
+
+
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "servers": _parse_servers,
+    "auth_key": _parse_auth_key,
+    "transport": _parse_transport,
+    "rdma_devices": _parse_devices,
+    "connections_per_server": _int_parser(_int_check(1, _MAX_CONNECTIONS)),
+    "connect_timeout_s": _parse_timeout,
+    "op_timeout_s": _parse_timeout,
+    "io_threads": _int_parser(_int_check(1, _MAX_THREADS)),
+    "lease_ms": _int_parser(_int_check(0, _MAX_LEASE_MS)),
+}
+assert set(_PARSERS) == CONFIG_KEYS  # a new field needs a parser
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+_warned_env: set[str] = set()
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    source = f"{CONFIG_ENV}={path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(None, source, f"cannot read the file: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        # The YAML error text can quote the offending line (which might hold the key); keep
+        # only the position.
+        mark = getattr(e, "problem_mark", None)
+        pos = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(None, source, f"not valid YAML{pos}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(None, source, f"must be a mapping of settings, got {type(data).__name__}")
+    for k in data:
+        if not isinstance(k, str) or k not in CONFIG_KEYS:
+            raise ConfigError(str(k), source, _unknown_hint())
+    return data
+
+
+def _unknown_hint() -> str:
+    return f"unknown setting; known settings are: {', '.join(sorted(CONFIG_KEYS))}"
+
+
+def _env_layer(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    layer: dict[str, tuple[Any, str]] = {}
+    known_env = {env_name(k): k for k in CONFIG_KEYS}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        key = known_env.get(name)
+        if key is None:
+            if name not in NON_CLIENT_ENV and name not in _warned_env:
+                # Not an error: other tools and the server share the MEMKV_ prefix.
+                _warned_env.add(name)
+                log.warning("ignoring unknown environment variable %s (not a memkv setting)", name)
+            continue
+        if value.strip() == "":
+            continue  # empty = unset, as for the server's flags
+        layer[key] = (value, name)
+    return layer
+
+
+def load_config(
+    overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+) -> MemKVConfig:
+    """Build the settings from overrides, the ``MEMKV_CONFIG`` file, ``MEMKV_*`` and defaults.
+
+    ``env`` defaults to ``os.environ`` (tests pass a dict). ``overrides`` keys are setting names;
+    a value of None means "not set here". Unknown keys in the file or in ``overrides`` raise;
+    unknown ``MEMKV_*`` variables only log a warning.
+    """
+    env = os.environ if env is None else env
+    layers: list[dict[str, tuple[Any, str]]] = [_env_layer(env)]
+
+    path = env.get(CONFIG_ENV, "").strip()
+    if path:
+        source = f"{CONFIG_ENV}={path}"
+        layers.append({k: (v, source) for k, v in _read_yaml(path).items() if v is not None})
+
+    if overrides:
+        layer: dict[str, tuple[Any, str]] = {}
+        for k, v in overrides.items():
+            if k not in CONFIG_KEYS:
+                raise ConfigError(str(k), "overrides", _unknown_hint())
+            if v is not None:
+                layer[k] = (v, "overrides")
+        layers.append(layer)
+
+    chosen: dict[str, tuple[Any, str]] = {}
+    for layer in layers:  # later layers win
+        chosen.update(layer)
+
+    values: dict[str, Any] = {}
+    for key, (raw, source) in chosen.items():
+        try:
+            values[key] = _PARSERS[key](raw)
+        except ValueError as e:
+            raise ConfigError(key, source, str(e)) from None
+    sources = tuple((k, chosen[k][1]) for k in sorted(chosen))
+    return MemKVConfig(**values, sources=sources)
