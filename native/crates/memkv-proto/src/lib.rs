@@ -16,7 +16,7 @@ pub const MAX_KEY_LEN: usize = 1024;
 /// Most keys in one batch frame.
 pub const MAX_BATCH: usize = 65_536;
 /// Largest control body (key and status tables, stats JSON). Values travel in the payload.
-pub const MAX_BODY_LEN: u32 = 96 << 20;
+pub const MAX_BODY_LEN: u32 = 16 << 20;
 /// Length of the auth challenge nonce and of the HMAC-SHA256 answer.
 pub const NONCE_LEN: usize = 32;
 

@@ -1,0 +1,207 @@
+//! Value memory: one pre-faulted anonymous mapping per lane and a first-fit span allocator over it.
+//!
+//! Memory is mapped and touched at startup (MAP_POPULATE) so a PUT never pays page faults on the
+//! hot path, and one contiguous region per lane keeps the door open for a single RDMA registration.
+//! KV-cache values are near-uniform in size per model, so first fit with coalescing fragments little.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+/// Allocation granularity: keeps values cache-line aligned.
+const ALIGN: u64 = 64;
+
+pub struct Region {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping lives as long as the Region and is only accessed through spans handed out
+// by the allocator below, which never hands out overlapping live spans.
+unsafe impl Send for Region {}
+unsafe impl Sync for Region {}
+
+impl Region {
+    /// Maps `len` bytes of private anonymous memory, pre-faulted, with transparent huge pages
+    /// requested where the kernel supports them.
+    pub fn new(len: usize) -> std::io::Result<Region> {
+        if len == 0 {
+            return Ok(Region { base: std::ptr::NonNull::dangling().as_ptr(), len: 0 });
+        }
+        // SAFETY: a fresh anonymous mapping; arguments are valid and the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: advice on our own mapping; failure is harmless (no THP on this kernel).
+        unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
+        Ok(Region { base: p as *mut u8, len })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: unmapping the mapping created in `new`; no span outlives the Region because
+            // every Span holds an Arc to its LaneMemory.
+            unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+        }
+    }
+}
+
+/// A lane's memory: the region and its free list. Shared by the lane and every live span.
+pub struct LaneMemory {
+    region: Region,
+    free: Mutex<FreeList>,
+}
+
+struct FreeList {
+    /// offset -> length of each free span; adjacent spans are always merged.
+    spans: BTreeMap<u64, u64>,
+    used: u64,
+}
+
+impl LaneMemory {
+    pub fn new(len: usize) -> std::io::Result<Arc<LaneMemory>> {
+        let region = Region::new(len)?;
+        let mut spans = BTreeMap::new();
+        let usable = (len as u64) / ALIGN * ALIGN;
+        if usable > 0 {
+            spans.insert(0, usable);
+        }
+        Ok(Arc::new(LaneMemory { region, free: Mutex::new(FreeList { spans, used: 0 }) }))
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.region.len() as u64 / ALIGN * ALIGN
+    }
+
+    pub fn used(&self) -> u64 {
+        self.free.lock().unwrap().used
+    }
+
+    /// First-fit allocation of `len` bytes (rounded up to ALIGN). None when no free span fits.
+    pub fn alloc(self: &Arc<Self>, len: u64) -> Option<Span> {
+        let need = len.max(1).div_ceil(ALIGN) * ALIGN;
+        let mut fl = self.free.lock().unwrap();
+        let (&off, &flen) = fl.spans.iter().find(|(_, &l)| l >= need)?;
+        fl.spans.remove(&off);
+        if flen > need {
+            fl.spans.insert(off + need, flen - need);
+        }
+        fl.used += need;
+        Some(Span { mem: self.clone(), off, len, cap: need })
+    }
+
+    fn release(&self, off: u64, cap: u64) {
+        let mut fl = self.free.lock().unwrap();
+        fl.used -= cap;
+        let (mut start, mut len) = (off, cap);
+        if let Some((&poff, &plen)) = fl.spans.range(..off).next_back() {
+            if poff + plen == off {
+                fl.spans.remove(&poff);
+                start = poff;
+                len += plen;
+            }
+        }
+        if let Some(&nlen) = fl.spans.get(&(off + cap)) {
+            fl.spans.remove(&(off + cap));
+            len += nlen;
+        }
+        fl.spans.insert(start, len);
+    }
+}
+
+/// An allocated piece of a lane's region. Freed when dropped, so a value being read or written
+/// keeps its bytes alive even after eviction unlinked it from the index.
+pub struct Span {
+    mem: Arc<LaneMemory>,
+    off: u64,
+    len: u64,
+    cap: u64,
+}
+
+impl Span {
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: [off, off+len) lies inside the region and belongs to this span alone.
+        unsafe {
+            std::slice::from_raw_parts(self.mem.region.base.add(self.off as usize), self.len as usize)
+        }
+    }
+
+    /// Mutable view for filling the span. Only the connection that allocated the span writes it,
+    /// before it is committed (shared) through the index.
+    #[allow(clippy::mut_from_ref)]
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` proves no other reference to this span exists.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.mem.region.base.add(self.off as usize),
+                self.len as usize,
+            )
+        }
+    }
+}
+
+impl Drop for Span {
+    fn drop(&mut self) {
+        self.mem.release(self.off, self.cap);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alloc_free_coalesces() {
+        let m = LaneMemory::new(64 * 1024).unwrap();
+        let a = m.alloc(1000).unwrap();
+        let b = m.alloc(1000).unwrap();
+        let c = m.alloc(1000).unwrap();
+        assert_eq!(m.used(), 3 * 1024);
+        drop(b);
+        drop(a);
+        drop(c);
+        assert_eq!(m.used(), 0);
+        // Everything merged back: the whole capacity fits again.
+        assert!(m.alloc(64 * 1024).is_some());
+    }
+
+    #[test]
+    fn refuses_when_full_and_spans_do_not_overlap() {
+        let m = LaneMemory::new(4096).unwrap();
+        let mut spans: Vec<Span> = (0..4).map(|_| m.alloc(1024).unwrap()).collect();
+        assert!(m.alloc(1).is_none());
+        for (i, s) in spans.iter_mut().enumerate() {
+            s.as_mut_slice().fill(i as u8);
+        }
+        for (i, s) in spans.iter().enumerate() {
+            assert!(s.as_slice().iter().all(|&b| b == i as u8));
+        }
+    }
+}

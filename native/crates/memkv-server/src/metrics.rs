@@ -1,0 +1,111 @@
+//! Server counters, rendered as Prometheus text on `--metrics` and as JSON for the STATS op.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use crate::lane::LaneStats;
+
+/// Error kinds counted separately; each is a label value of `memkv_errors_total`.
+pub const ERROR_KINDS: [&str; 9] = [
+    "bad_magic",
+    "bad_version",
+    "malformed",
+    "too_large",
+    "unauthenticated",
+    "auth_failed",
+    "no_space",
+    "corrupt",
+    "io",
+];
+
+#[derive(Default)]
+pub struct Metrics {
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub exists_hits: AtomicU64,
+    pub exists_misses: AtomicU64,
+    pub puts: AtomicU64,
+    pub deletes: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
+    pub leases_granted: AtomicU64,
+    pub leases_denied: AtomicU64,
+    pub connections: AtomicU64,
+    pub connections_total: AtomicU64,
+    pub requests: AtomicU64,
+    errors: [AtomicU64; ERROR_KINDS.len()],
+}
+
+impl Metrics {
+    pub fn error(&self, kind: &str) {
+        if let Some(i) = ERROR_KINDS.iter().position(|k| *k == kind) {
+            self.errors[i].fetch_add(1, Relaxed);
+        }
+    }
+
+    pub fn errors(&self, kind: &str) -> u64 {
+        ERROR_KINDS.iter().position(|k| *k == kind).map_or(0, |i| self.errors[i].load(Relaxed))
+    }
+
+    fn counters(&self) -> [(&'static str, &'static str, u64); 13] {
+        [
+            ("hits", "GET keys served", self.hits.load(Relaxed)),
+            ("misses", "GET keys not served (absent, length mismatch, corrupt)", self.misses.load(Relaxed)),
+            ("exists_hits", "EXISTS keys found", self.exists_hits.load(Relaxed)),
+            ("exists_misses", "EXISTS keys not found", self.exists_misses.load(Relaxed)),
+            ("puts", "values committed", self.puts.load(Relaxed)),
+            ("deletes", "values deleted", self.deletes.load(Relaxed)),
+            ("bytes_in", "value bytes received", self.bytes_in.load(Relaxed)),
+            ("bytes_out", "value bytes sent", self.bytes_out.load(Relaxed)),
+            ("leases_granted", "leases granted by EXISTS", self.leases_granted.load(Relaxed)),
+            ("leases_denied", "EXISTS hits not leased (leased-bytes bound)", self.leases_denied.load(Relaxed)),
+            ("connections_total", "connections accepted", self.connections_total.load(Relaxed)),
+            ("requests", "frames handled", self.requests.load(Relaxed)),
+            ("connections", "open connections", self.connections.load(Relaxed)),
+        ]
+    }
+
+    /// JSON object for the STATS op and `memkv stats`.
+    pub fn to_json(&self, lanes: &LaneStats, n_lanes: usize) -> String {
+        let mut m = serde_json::Map::new();
+        for (name, _, v) in self.counters() {
+            m.insert(name.into(), v.into());
+        }
+        let errors: serde_json::Map<_, _> =
+            ERROR_KINDS.iter().map(|k| (k.to_string(), self.errors(k).into())).collect();
+        m.insert("errors".into(), errors.into());
+        m.insert("evictions".into(), lanes.evictions.into());
+        m.insert("items".into(), lanes.items.into());
+        m.insert("memory_used_bytes".into(), lanes.used_bytes.into());
+        m.insert("memory_capacity_bytes".into(), lanes.capacity_bytes.into());
+        m.insert("leased_bytes".into(), lanes.leased_bytes.into());
+        m.insert("lanes".into(), n_lanes.into());
+        serde_json::Value::Object(m).to_string()
+    }
+
+    pub fn to_prometheus(&self, lanes: &LaneStats) -> String {
+        let mut s = String::new();
+        for (name, help, v) in self.counters() {
+            let (full, kind) = if name == "connections" {
+                ("memkv_connections".to_string(), "gauge")
+            } else {
+                (format!("memkv_{name}_total"), "counter")
+            };
+            let _ = writeln!(s, "# HELP {full} {help}\n# TYPE {full} {kind}\n{full} {v}");
+        }
+        let _ = writeln!(s, "# HELP memkv_errors_total errors by kind\n# TYPE memkv_errors_total counter");
+        for k in ERROR_KINDS {
+            let _ = writeln!(s, "memkv_errors_total{{kind=\"{k}\"}} {}", self.errors(k));
+        }
+        for (name, help, kind, v) in [
+            ("memkv_evictions_total", "values evicted", "counter", lanes.evictions),
+            ("memkv_items", "values stored", "gauge", lanes.items),
+            ("memkv_memory_used_bytes", "value memory in use", "gauge", lanes.used_bytes),
+            ("memkv_memory_capacity_bytes", "value memory reserved", "gauge", lanes.capacity_bytes),
+            ("memkv_leased_bytes", "bytes under lease", "gauge", lanes.leased_bytes),
+        ] {
+            let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
+        }
+        s
+    }
+}

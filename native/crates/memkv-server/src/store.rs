@@ -1,0 +1,89 @@
+//! The store: lanes addressed by key hash, plus the server-wide limits and counters.
+
+use std::time::Duration;
+
+use memkv_proto::Status;
+
+use crate::lane::{Fetched, Lane, LaneStats, Reservation, Value};
+use crate::metrics::Metrics;
+use std::sync::Arc;
+
+pub struct Store {
+    lanes: Vec<Lane>,
+    pub max_value_len: u64,
+    pub metrics: Metrics,
+}
+
+impl Store {
+    /// Splits `memory` bytes evenly over `lanes` lanes, reserving and pre-faulting all of it now.
+    pub fn new(memory: u64, lanes: usize, max_leased_fraction: f64) -> std::io::Result<Store> {
+        let lanes = lanes.max(1);
+        let per_lane = (memory / lanes as u64) as usize;
+        let lanes = (0..lanes)
+            .map(|_| Lane::new(per_lane, max_leased_fraction))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let max_value_len = lanes[0].capacity();
+        Ok(Store { lanes, max_value_len, metrics: Metrics::default() })
+    }
+
+    fn lane(&self, key: &[u8]) -> &Lane {
+        let h = xxhash_rust::xxh3::xxh3_64(key);
+        &self.lanes[(h % self.lanes.len() as u64) as usize]
+    }
+
+    pub fn reserve(&self, key: &[u8], len: u64) -> Result<Reservation, Status> {
+        if len > self.max_value_len {
+            return Err(Status::TooLarge);
+        }
+        self.lane(key).reserve(len)
+    }
+
+    pub fn commit(&self, key: &[u8], res: Reservation, checksum: u64) {
+        self.lane(key).commit(key, res, checksum)
+    }
+
+    pub fn exists(&self, key: &[u8], lease: Duration) -> (Status, u64) {
+        self.lane(key).exists(key, lease)
+    }
+
+    /// GET lookup with verification: a value whose bytes no longer match their checksum is
+    /// dropped and reported as `Corrupt`, so no wrong byte is ever served.
+    pub fn fetch_verified(&self, key: &[u8]) -> Result<Arc<Value>, Status> {
+        let lane = self.lane(key);
+        match lane.fetch(key) {
+            Fetched::Missing => Err(Status::NotFound),
+            Fetched::Found(v) => {
+                if memkv_proto::checksum(v.span.as_slice()) == v.checksum {
+                    Ok(v)
+                } else {
+                    tracing::error!(key = %String::from_utf8_lossy(key), "checksum mismatch; value dropped");
+                    self.metrics.error("corrupt");
+                    lane.drop_if_same(key, &v);
+                    Err(Status::Corrupt)
+                }
+            }
+        }
+    }
+
+    pub fn delete(&self, key: &[u8]) -> Status {
+        self.lane(key).delete(key)
+    }
+
+    pub fn lane_count(&self) -> usize {
+        self.lanes.len()
+    }
+
+    pub fn lane_stats(&self) -> LaneStats {
+        self.lanes.iter().map(|l| l.stats()).fold(LaneStats::default(), |a, b| LaneStats {
+            items: a.items + b.items,
+            used_bytes: a.used_bytes + b.used_bytes,
+            capacity_bytes: a.capacity_bytes + b.capacity_bytes,
+            leased_bytes: a.leased_bytes + b.leased_bytes,
+            evictions: a.evictions + b.evictions,
+        })
+    }
+
+    pub fn stats_json(&self) -> String {
+        self.metrics.to_json(&self.lane_stats(), self.lanes.len())
+    }
+}
