@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# The test suite, as one command: bash scripts/test.sh
+#
+#   1. makes .venv (Python deps for building and testing) if missing or out of date,
+#   2. runs the Rust tests (cargo test --workspace --release in native/),
+#   3. builds the extension and installs memkv-vllm into .venv (maturin develop --release),
+#   4. runs pytest on tests/ in .venv (fixtures start real `memkv` servers on free loopback ports;
+#      nothing is started by hand; tests that need vLLM skip themselves there),
+#   5. for each vLLM venv made by scripts/setup-vllm.sh (.venv-vllm, .venv-vllm-0.25) that exists:
+#      installs memkv-vllm into it and runs tests/tier and tests/e2e with real vLLM.
+#
+# Options: --no-rust (skip step 2), --no-e2e (skip step 5), --setup (only step 1),
+#          anything after `--` goes to every pytest call (e.g. -- -k config -x).
+# Env: PYTHON (interpreter for .venv, default python3), E2E_TIMEOUT (seconds per vLLM venv, 1800).
+# Exit status: 0 when every step passed; a step that collects no tests counts as passed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+
+PY="${PYTHON:-python3}"
+VENV="$ROOT/.venv"
+# Build and test dependencies of .venv; keep in step with pyproject's [test] extra.
+DEPS=(maturin pytest hypothesis ruff attrs pyyaml packaging numpy)
+VLLM_VENVS=(.venv-vllm .venv-vllm-0.25)
+
+run_rust=1 run_e2e=1 setup_only=0
+PYTEST_ARGS=()
+while (($#)); do
+  case "$1" in
+    --no-rust) run_rust=0 ;;
+    --no-e2e) run_e2e=0 ;;
+    --setup) setup_only=1 ;;
+    --) shift; PYTEST_ARGS=("$@"); break ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    *) echo "test.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+T0=$(date +%s)
+declare -a SUMMARY=()
+FAILED=0
+log() { printf '\n==> [test %4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
+record() {  # record <name> <rc> <seconds>
+  local verdict=PASS
+  if [[ $2 -eq 5 ]]; then verdict="PASS (no tests collected)"
+  elif [[ $2 -ne 0 ]]; then verdict="FAIL (exit $2)"; FAILED=1
+  fi
+  SUMMARY+=("$(printf '%-44s %-26s %5ss' "$1" "$verdict" "$3")")
+}
+step() {  # step <name> <command...>: run, record, never abort the script
+  local name="$1" ts rc=0; shift
+  log "$name"
+  ts=$(date +%s)
+  "$@" || rc=$?
+  record "$name" "$rc" "$(( $(date +%s) - ts ))"
+  return 0
+}
+summary() {
+  printf '\n==> summary (%ss total)\n' "$(( $(date +%s) - T0 ))"
+  local line
+  for line in "${SUMMARY[@]}"; do printf '    %s\n' "$line"; done
+  ((FAILED == 0)) && echo "==> all passed" || echo "==> FAILED"
+}
+
+# --- 1. .venv -----------------------------------------------------------------------------------
+ensure_venv() {
+  local stamp="$VENV/.memkv-deps" want
+  want="${DEPS[*]}"
+  if [[ -x "$VENV/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+    echo ".venv up to date ($("$VENV/bin/python" --version))"
+    return 0
+  fi
+  [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q "${DEPS[@]}"
+  echo "$want" > "$stamp"
+  "$VENV/bin/python" -m pip list 2>/dev/null | grep -i -E '^(maturin|pytest|hypothesis|ruff) '
+}
+log "python venv $VENV"
+ensure_venv
+((setup_only)) && exit 0
+
+command -v cargo >/dev/null || {
+  echo "cargo not found: install Rust (https://rustup.rs: curl -sSf https://sh.rustup.rs | sh)" >&2
+  exit 1
+}
+# PyO3's build script must see the same interpreter we install into; tests that embed Python
+# need its shared library.
+export PYO3_PYTHON="$VENV/bin/python"
+PYLIBDIR="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR") or "")')"
+export LD_LIBRARY_PATH="${PYLIBDIR}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+# --- 2. Rust ------------------------------------------------------------------------------------
+if ((run_rust)); then
+  step "cargo test --workspace --release" bash -c 'cd native && cargo test --workspace --release'
+fi
+
+# --- 3. build + install -------------------------------------------------------------------------
+build() {
+  VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" "$VENV/bin/maturin" develop --release
+}
+step "maturin develop --release (.venv)" build
+if [[ "${SUMMARY[-1]}" == *FAIL* ]]; then
+  echo "build failed: the Python tests need the extension, stopping here" >&2
+  summary
+  exit 1
+fi
+
+# --- 4. pytest in .venv -------------------------------------------------------------------------
+step "pytest tests/ (.venv)" "$VENV/bin/python" -m pytest tests -ra "${PYTEST_ARGS[@]}"
+
+# --- 5. e2e with real vLLM ----------------------------------------------------------------------
+e2e_in() {  # e2e_in <venv>
+  local venv="$1" dirs=() d
+  for d in tests/tier tests/e2e; do [[ -d $d ]] && dirs+=("$d"); done
+  ((${#dirs[@]})) || { echo "no tests/tier or tests/e2e yet"; return 5; }
+  # maturin develop installs editable: the extension lives in the source tree (built above), so
+  # this only refreshes the metadata (entry point for vLLM's plugin loader) in the vLLM venv.
+  VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" "$VENV/bin/maturin" develop --release -q || return 1
+  local marker rc=0
+  marker=$(mktemp)
+  timeout --kill-after=30 "${E2E_TIMEOUT:-1800}" \
+    "$venv/bin/python" -m pytest "${dirs[@]}" -ra "${PYTEST_ARGS[@]}" || rc=$?
+  # A killed engine can leave its offload region in /dev/shm; remove only those from this run.
+  find /dev/shm -maxdepth 1 -name 'vllm_offload_*.mmap' -newer "$marker" -delete 2>/dev/null || true
+  rm -f "$marker"
+  return "$rc"
+}
+if ((run_e2e)); then
+  found=0
+  for v in "${VLLM_VENVS[@]}"; do
+    if [[ -x "$ROOT/$v/bin/python" ]] && "$ROOT/$v/bin/python" -c 'import vllm' 2>/dev/null; then
+      found=1
+      step "pytest tests/tier tests/e2e ($v)" e2e_in "$ROOT/$v"
+    fi
+  done
+  if ((found == 0)); then
+    log "no vLLM venv (${VLLM_VENVS[*]}): e2e skipped; create them with bash scripts/setup-vllm.sh"
+    SUMMARY+=("$(printf '%-44s %-26s' "e2e with real vLLM" "SKIPPED (no vLLM venv)")")
+  fi
+fi
+
+summary
+exit "$FAILED"
