@@ -31,7 +31,7 @@ def _canonical_json(fields: Mapping[str, Any]) -> str:
 
 
 def config_digest(fields: Mapping[str, Any]) -> str:
-    """12 hex chars of sha256 over the canonical JSON of `fields` (FileMapper uses the same length)."""
+    """12 hex chars of sha256 over the canonical JSON of `fields` (FileMapper's length)."""
     return hashlib.sha256(_canonical_json(fields).encode()).hexdigest()[:12]
 
 

@@ -77,6 +77,12 @@ class StoreOptions:
     blocks_per_op: int = 8
     lookup_timeout_s: float = 5.0
     load_failure_grace_s: float = 60.0
+    # A failed load whose I/O ran at least this long timed out (rather than being refused or
+    # answered): its request may still be on the wire, and with server-driven transfers (RDMA) the
+    # server could still write into the destination later. Such loads are reported only after
+    # `load_failure_grace_s`, so the caller cannot reuse that memory meanwhile. Set it to the
+    # client's op timeout.
+    load_timeout_s: float = 10.0
     max_store_backlog_bytes: int = 2048 << 20
     # Verdict lifetimes. A HIT may be evicted remotely later (the load then fails and the key turns
     # MISS); a MISS is re-probed soon because another engine may store the block meanwhile.
@@ -100,6 +106,7 @@ class _Job:
     statuses: list[int] = attrs.Factory(list)
     remaining: int = 0
     t_done: float = 0.0
+    timed_out: bool = False  # some op failed UNAVAILABLE after running into the op timeout
 
 
 @attrs.define(eq=False)
@@ -307,6 +314,7 @@ class BlockStore:
                 return
             job, lo, hi = item
             client = self._client
+            t_op = time.monotonic()
             try:
                 assert client is not None
                 fn = client.get_into_ptrs if is_load else client.put_ptrs
@@ -318,6 +326,10 @@ class BlockStore:
                 logger.warning("memkv %s failed: %s", "load" if is_load else "store", e)
                 st = [_UNAVAILABLE] * (hi - lo)
             job.statuses[lo:hi] = st
+            if _UNAVAILABLE in st and (
+                time.monotonic() - t_op >= 0.9 * self.options.load_timeout_s
+            ):
+                job.timed_out = True
             with self._cv:
                 job.remaining -= 1
                 last = job.remaining == 0
@@ -357,8 +369,7 @@ class BlockStore:
                 # Evicted / gone / server down: never promote these again for a while.
                 self.mark_missing(failed)
             c = Completion(job.job_id, True, not failed, tuple(ok_keys), nbytes, secs)
-            timed_out = any(s == _UNAVAILABLE for s in job.statuses)
-            if timed_out and self.options.load_failure_grace_s > 0:
+            if job.timed_out and self.options.load_failure_grace_s > 0:
                 # The request may still be in flight on the wire; the destination memory must not
                 # be reused before a late write can no longer land, so the job stays open.
                 self._stats["load_jobs_held"] += 1

@@ -1,0 +1,52 @@
+"""vLLM 0.26-0.27: specs are built from one `OffloadingConfig`.
+
+`spec.config` replaces `vllm_config`/`kv_cache_config`, `blocks_per_chunk` replaces
+`block_size_factor`, and the shared CPU-pool region is named by the engine id. (0.27 adds
+`Locality`/`Medium` on tiers and the replicated layout; both are read by attribute.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from memkv_vllm.compat.v0_25 import VllmApi
+
+
+class Api026(VllmApi):
+    name = "0.26"
+
+    @staticmethod
+    def probe() -> bool:
+        return VllmApi.probe() and importlib.util.find_spec("vllm.v1.kv_offload.config") is not None
+
+    def remote_locality(self) -> Any:
+        locality = getattr(self.kvb, "Locality", None)
+        return None if locality is None else locality.REMOTE
+
+    def worker_rank(self, spec: Any) -> int:
+        if getattr(spec, "replicated_layout", False):
+            return 0  # one copy of the KV for all workers, in worker 0's area
+        par = spec.config.parallel
+        return int(par.rank) % max(1, int(par.world_size))
+
+    def blocks_per_chunk(self, spec: Any) -> int:
+        return int(spec.blocks_per_chunk)
+
+    def uses_canonical_layout(self, spec: Any) -> bool:
+        return bool(getattr(spec.config, "canonical_layout", False))
+
+    def open_worker_region(self, spec: Any, rank: int) -> Any:
+        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+        engine_id = getattr(spec, "_engine_id", None) or spec.config.engine_id
+        kv_bytes = getattr(spec, "kv_bytes_per_chunk", None)
+        if kv_bytes is None:
+            kv_bytes = spec.kv_bytes_per_offloaded_block
+        return SharedOffloadRegion(
+            engine_id=engine_id,
+            num_blocks=spec.num_blocks,
+            rank=rank,
+            kv_bytes_per_block=kv_bytes,
+            cpu_page_size=spec.cpu_page_size_per_worker,
+        )

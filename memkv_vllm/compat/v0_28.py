@@ -1,0 +1,42 @@
+"""vLLM 0.28-0.29: tier jobs are `TransferJob`s and results can be partial.
+
+`JobMetadata` became `TransferJob` (a different `JobMetadata` NamedTuple now lives in
+tiering/manager.py), `JobResult` gained `successful_keys` and `transfer_time`, and the shared
+region hands out per-worker views with `create_next_worker_view`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from typing import Any
+
+from memkv_vllm.compat.v0_26 import Api026
+
+
+class Api028(Api026):
+    name = "0.28"
+    partial_results = True
+
+    @staticmethod
+    def probe() -> bool:
+        if not Api026.probe():
+            return False
+        from vllm.v1.kv_offload.tiering import base as tb
+
+        return hasattr(tb, "TransferJob") and "successful_keys" in {
+            f.name for f in dataclasses.fields(tb.JobResult)
+        }
+
+    def job_result(self, job_id: int, success: bool, *,
+                   successful_keys: Collection[bytes] | None = None,
+                   transfer_time: float | None = None,
+                   transfer_bytes: int | None = None) -> Any:
+        return self.tb.JobResult(
+            job_id=job_id, success=success,
+            successful_keys=None if success else successful_keys,
+            transfer_time=transfer_time,
+        )
+
+    def region_worker_view(self, region: Any, nbytes: int) -> Any:
+        return region.create_next_worker_view(nbytes)

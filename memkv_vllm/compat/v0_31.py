@@ -1,0 +1,40 @@
+"""vLLM 0.31 and later (tested up to 0.32): back-pressure.
+
+The tier factory always passes `backpressure_detector=` to the tier constructor and the base class
+must receive it (the manager reads `tier.bp_detector`); `JobResult` gained `transfer_bytes`, which
+feeds that detector. 0.31 also stopped calling `touch()`, which this tier does not rely on.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Collection
+from typing import Any
+
+from memkv_vllm.compat.v0_30 import Api030
+
+
+class Api031(Api030):
+    name = "0.31"
+
+    @staticmethod
+    def probe() -> bool:
+        if not Api030.probe():
+            return False
+        from vllm.v1.kv_offload.tiering import base as tb
+
+        params = inspect.signature(tb.SecondaryTierManager.__init__).parameters
+        return "backpressure_detector" in params
+
+    def tier_base_kwargs(self, backpressure_detector: Any) -> dict[str, Any]:
+        return {"backpressure_detector": backpressure_detector}
+
+    def job_result(self, job_id: int, success: bool, *,
+                   successful_keys: Collection[bytes] | None = None,
+                   transfer_time: float | None = None,
+                   transfer_bytes: int | None = None) -> Any:
+        return self.tb.JobResult(
+            job_id=job_id, success=success,
+            successful_keys=None if success else successful_keys,
+            transfer_time=transfer_time, transfer_bytes=transfer_bytes,
+        )
