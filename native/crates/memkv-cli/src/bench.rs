@@ -1,0 +1,265 @@
+//! `memkv bench`: put/get throughput against a memkv server, printed next to ceilings measured in
+//! the same run on the same machine: memcpy and raw loopback TCP (two threads, one socket, the
+//! same value size), and optionally a local Redis through the `redis` crate. GB/s = 1e9 B/s.
+
+use std::io::{IoSlice, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use memkv_client::{Buf, Client, Status};
+use memkv_server::{parse_size, Server, ServerConfig};
+
+use crate::Conn;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Servers to measure; without it an in-process server on loopback is started.
+    #[arg(long, env = "MEMKV_SERVERS")]
+    servers: Option<String>,
+    #[arg(long, env = "MEMKV_AUTH_KEY", hide_env_values = true)]
+    auth_key: Option<String>,
+    /// Value sizes (binary units).
+    #[arg(long, value_delimiter = ',', default_value = "1M,4M,16M,64M")]
+    sizes: Vec<String>,
+    /// Client thread counts.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    threads: Vec<usize>,
+    /// Bytes moved per measurement point (per direction); more is steadier.
+    #[arg(long, default_value = "1G")]
+    volume: String,
+    /// Memory of the in-process server.
+    #[arg(long, default_value = "2G")]
+    memory: String,
+    /// Also measure a local Redis (starts `redis-server` from PATH on a free port).
+    #[arg(long)]
+    vs_redis: bool,
+}
+
+fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+/// memcpy ceiling: copies between two warm buffers of `size` bytes until `volume` moved.
+fn memcpy_ceiling(size: usize, volume: u64) -> f64 {
+    let src = vec![7u8; size];
+    let mut dst = vec![0u8; size];
+    dst.copy_from_slice(&src);
+    let n = (volume / size as u64).max(2);
+    let t = Instant::now();
+    for _ in 0..n {
+        dst.copy_from_slice(std::hint::black_box(&src));
+    }
+    std::hint::black_box(&dst);
+    gbps(n * size as u64, t.elapsed())
+}
+
+/// Raw loopback TCP ceiling: one sender thread writes an 8-byte length and the value with
+/// writev, one receiver reads it into a preallocated buffer (the same data path memkv uses).
+fn tcp_ceiling(size: usize, volume: u64) -> std::io::Result<f64> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let n = (volume / size as u64).max(2);
+    let rx = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = l.accept()?;
+        let mut buf = vec![0u8; size];
+        let mut hdr = [0u8; 8];
+        for _ in 0..n {
+            s.read_exact(&mut hdr)?;
+            s.read_exact(&mut buf)?;
+        }
+        s.write_all(b"k")
+    });
+    let mut s = TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let val = vec![3u8; size];
+    let t = Instant::now();
+    for _ in 0..n {
+        let hdr = (size as u64).to_le_bytes();
+        let mut parts = [IoSlice::new(&hdr), IoSlice::new(&val)];
+        let mut rest = &mut parts[..];
+        while !rest.is_empty() {
+            let k = s.write_vectored(rest)?;
+            IoSlice::advance_slices(&mut rest, k);
+        }
+    }
+    let mut ack = [0u8; 1];
+    s.read_exact(&mut ack)?;
+    let d = t.elapsed();
+    rx.join().unwrap()?;
+    Ok(gbps(n * size as u64, d))
+}
+
+/// memkv put then get throughput for `threads` threads, each with its own keys and buffers.
+fn memkv_point(client: &Arc<Client>, size: usize, threads: usize, volume: u64, tag: &str) -> (f64, f64) {
+    let per_thread = ((volume / size as u64) as usize / threads).max(1);
+    // Keys per thread that fit the store comfortably; they are overwritten round-robin.
+    let distinct = 4usize;
+    let run = |put: bool| {
+        let t = Instant::now();
+        std::thread::scope(|sc| {
+            for th in 0..threads {
+                sc.spawn(move || {
+                    let mut buf = vec![th as u8; size];
+                    for i in 0..per_thread {
+                        let key = format!("bench/{tag}/{size}/{th}/{}", i % distinct).into_bytes();
+                        let b = Buf { ptr: buf.as_mut_ptr() as usize, len: size };
+                        // SAFETY: `buf` outlives the call and is used by this thread alone.
+                        let st = unsafe {
+                            if put {
+                                client.put(&[key], &[b])
+                            } else {
+                                client.get(&[key], &[b])
+                            }
+                        };
+                        assert_eq!(st[0], Status::Ok, "bench {} failed", if put { "put" } else { "get" });
+                    }
+                });
+            }
+        });
+        gbps((per_thread * threads * size) as u64, t.elapsed())
+    };
+    (run(true), run(false))
+}
+
+/// Median latency of a batched EXISTS of 1,000 keys.
+fn exists_latency(client: &Arc<Client>) -> Duration {
+    let keys: Vec<Vec<u8>> = (0..1000).map(|i| format!("bench/exists/{i:06}").into_bytes()).collect();
+    let small = [0u8; 64];
+    let bufs: Vec<Buf> = keys.iter().map(|_| Buf { ptr: small.as_ptr() as usize, len: 64 }).collect();
+    // SAFETY: `small` lives until the end of this function.
+    unsafe { client.put(&keys, &bufs) };
+    let mut lat: Vec<Duration> = (0..51)
+        .map(|_| {
+            let t = Instant::now();
+            let r = client.exists(&keys, 0);
+            let d = t.elapsed();
+            assert!(r.iter().all(|(s, _)| *s == Status::Ok));
+            d
+        })
+        .collect();
+    lat.sort();
+    lat[lat.len() / 2]
+}
+
+struct Redis {
+    child: std::process::Child,
+    url: String,
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_redis() -> Result<Redis, String> {
+    let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| e.to_string())?.port();
+    let child = std::process::Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .args(["--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "1gb"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start redis-server (apt-get install redis-server): {e}"))?;
+    let r = Redis { child, url: format!("redis://127.0.0.1:{port}/") };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if Instant::now() > deadline {
+            return Err("redis-server did not start".into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(r)
+}
+
+fn redis_point(url: &str, size: usize, threads: usize, volume: u64) -> Result<(f64, f64), String> {
+    let per_thread = ((volume / size as u64) as usize / threads).max(1);
+    let run = |put: bool| -> Result<f64, String> {
+        let t = Instant::now();
+        std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..threads)
+                .map(|th| {
+                    sc.spawn(move || -> Result<(), String> {
+                        let mut c = redis::Client::open(url)
+                            .and_then(|c| c.get_connection())
+                            .map_err(|e| e.to_string())?;
+                        let val = vec![th as u8; size];
+                        for i in 0..per_thread {
+                            let key = format!("bench/{size}/{th}/{}", i % 4);
+                            if put {
+                                redis::cmd("SET").arg(&key).arg(&val[..]).query::<()>(&mut c).map_err(|e| e.to_string())?;
+                            } else {
+                                let v: Vec<u8> = redis::cmd("GET").arg(&key).query(&mut c).map_err(|e| e.to_string())?;
+                                if v.len() != size {
+                                    return Err("redis returned a wrong length".into());
+                                }
+                            }
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            hs.into_iter().try_for_each(|h| h.join().unwrap())
+        })?;
+        Ok(gbps((per_thread * threads * size) as u64, t.elapsed()))
+    };
+    Ok((run(true)?, run(false)?))
+}
+
+pub fn run(a: BenchArgs) -> Result<i32, String> {
+    let volume = parse_size(&a.volume)?;
+    let sizes: Vec<usize> = a.sizes.iter().map(|s| parse_size(s).map(|v| v as usize)).collect::<Result<_, _>>()?;
+    let max_threads = a.threads.iter().copied().max().unwrap_or(1);
+    let mut _server = None;
+    let servers = match &a.servers {
+        Some(s) => s.clone(),
+        None => {
+            let memory = parse_size(&a.memory)?;
+            let s = Server::start(ServerConfig {
+                listen: "127.0.0.1:0".into(),
+                memory,
+                lanes: 2,
+                ..ServerConfig::default()
+            })
+            .map_err(|e| format!("in-process server: {e}"))?;
+            let addr = s.addr.to_string();
+            _server = Some(s);
+            addr
+        }
+    };
+    let conn = Conn { servers: servers.clone(), auth_key: a.auth_key.clone(), timeout: 30.0 };
+    let client = conn.client(1, max_threads)?;
+    let redis = if a.vs_redis { Some(start_redis()?) } else { None };
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    println!("memkv bench: servers {servers}, {cpus} CPUs, {} per point, GB/s = 1e9 B/s", a.volume);
+    println!(
+        "{:>8} {:>3} | {:>7} {:>7} | {:>7} {:>7} | {:>7} {:>7} | {:>9} {:>9}{}",
+        "value", "thr", "memcpy", "tcp", "put", "get", "put/tcp", "get/tcp", "", "",
+        if redis.is_some() { " | redis-set redis-get  put/redis get/redis" } else { "" }
+    );
+    for &size in &sizes {
+        let mc = memcpy_ceiling(size, volume);
+        let tcp = tcp_ceiling(size, volume).map_err(|e| format!("tcp ceiling: {e}"))?;
+        for &th in &a.threads {
+            let (p, g) = memkv_point(&client, size, th, volume, "m");
+            let mut line = format!(
+                "{:>7}M {:>3} | {:>7.2} {:>7.2} | {:>7.2} {:>7.2} | {:>6.0}% {:>6.0}% |",
+                size >> 20, th, mc, tcp, p, g, 100.0 * p / tcp, 100.0 * g / tcp
+            );
+            if let Some(r) = &redis {
+                let (rp, rg) = redis_point(&r.url, size, th, volume)?;
+                line += &format!(" {:>9.2} {:>9.2} {:>9.2}x {:>8.2}x", rp, rg, p / rp, g / rg);
+            }
+            println!("{line}");
+        }
+    }
+    let lat = exists_latency(&client);
+    println!("batched EXISTS of 1,000 keys: median {:.3} ms", lat.as_secs_f64() * 1e3);
+    if let Some(s) = _server {
+        s.shutdown();
+        s.wait();
+    }
+    Ok(0)
+}

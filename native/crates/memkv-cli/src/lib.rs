@@ -1,0 +1,185 @@
+//! The `memkv` command line. Shared by the standalone binary and the Python wheel's `memkv`
+//! console script (which calls `run` through the extension module).
+
+pub mod bench;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use memkv_client::{Client, ClientConfig};
+use memkv_server::{parse_auth_key, parse_size, Server, ServerConfig};
+
+#[derive(Parser)]
+#[command(name = "memkv", version, about = "memkv: an in-memory KV-cache store for vLLM")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a server.
+    Serve(ServeArgs),
+    /// Print each server's counters as JSON.
+    Stats(Conn),
+    /// Check that each server answers; exit 1 if one does not.
+    Ping(Conn),
+    /// Measure put/get throughput against a server next to loopback-TCP and memcpy ceilings.
+    Bench(bench::BenchArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:7390")]
+    listen: String,
+    /// Value memory, reserved and pre-faulted at start (e.g. 512M, 8G; binary units).
+    #[arg(long, default_value = "1G")]
+    memory: String,
+    /// Independent shards, each with its own index, memory share and eviction.
+    #[arg(long, default_value_t = 4)]
+    lanes: usize,
+    /// 64 hex characters; clients must prove they hold it (HMAC-SHA256 challenge).
+    #[arg(long, env = "MEMKV_AUTH_KEY", hide_env_values = true)]
+    auth_key: Option<String>,
+    /// Serve Prometheus metrics over HTTP at HOST:PORT/metrics.
+    #[arg(long)]
+    metrics: Option<String>,
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Share of each lane's memory that leases may pin (0..1).
+    #[arg(long, default_value_t = 0.5)]
+    max_leased_fraction: f64,
+}
+
+#[derive(Args, Clone)]
+pub struct Conn {
+    /// Comma-separated host:port list.
+    #[arg(long, env = "MEMKV_SERVERS", default_value = "127.0.0.1:7390")]
+    pub servers: String,
+    #[arg(long, env = "MEMKV_AUTH_KEY", hide_env_values = true)]
+    pub auth_key: Option<String>,
+    /// Seconds before a silent server counts as down.
+    #[arg(long, default_value_t = 5.0)]
+    pub timeout: f64,
+}
+
+impl Conn {
+    pub fn client(&self, io_threads: usize, conns: usize) -> Result<std::sync::Arc<Client>, String> {
+        let servers: Vec<String> =
+            self.servers.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+        let auth_key = self.auth_key.as_deref().map(parse_auth_key).transpose()?;
+        Client::new(ClientConfig {
+            servers,
+            auth_key,
+            connections_per_server: conns,
+            connect_timeout: Duration::from_secs_f64(self.timeout.min(5.0)),
+            op_timeout: Duration::from_secs_f64(self.timeout),
+            io_threads,
+        })
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("MEMKV_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// Runs the command line `args` (args[0] is the program name); returns the exit code.
+pub fn run(args: Vec<String>) -> i32 {
+    let cli = match Cli::try_parse_from(args) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
+    };
+    init_logging();
+    let r = match cli.cmd {
+        Cmd::Serve(a) => serve(a),
+        Cmd::Stats(c) => stats(c),
+        Cmd::Ping(c) => ping(c),
+        Cmd::Bench(b) => bench::run(b),
+    };
+    match r {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("memkv: error: {e}");
+            1
+        }
+    }
+}
+
+fn serve(a: ServeArgs) -> Result<i32, String> {
+    let memory = parse_size(&a.memory).map_err(|e| format!("--memory: {e}"))?;
+    if a.lanes == 0 || a.lanes > 1024 {
+        return Err("--lanes must be between 1 and 1024".into());
+    }
+    if memory / (a.lanes as u64) < 4096 {
+        return Err(format!("--memory {} is too small for {} lanes", a.memory, a.lanes));
+    }
+    if !(0.0..=1.0).contains(&a.max_leased_fraction) {
+        return Err("--max-leased-fraction must be within 0..1".into());
+    }
+    let auth_key = a.auth_key.as_deref().map(parse_auth_key).transpose().map_err(|e| format!("--auth-key: {e}"))?;
+    let cfg = ServerConfig {
+        listen: a.listen.clone(),
+        memory,
+        lanes: a.lanes,
+        auth_key,
+        metrics_listen: a.metrics,
+        max_connections: a.max_connections,
+        max_leased_fraction: a.max_leased_fraction,
+        ..ServerConfig::default()
+    };
+    let server = Server::start(cfg).map_err(|e| format!("cannot start on {}: {e}", a.listen))?;
+    let flag = server.shutdown_flag();
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, flag.clone()).map_err(|e| e.to_string())?;
+    }
+    // Tests and scripts read the bound address (useful with port 0) from this line.
+    println!("memkv listening on {}", server.addr);
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    while !flag.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    tracing::info!("shutdown requested; draining connections");
+    server.wait();
+    Ok(0)
+}
+
+fn stats(c: Conn) -> Result<i32, String> {
+    let client = c.client(1, 1)?;
+    let mut out = serde_json::Map::new();
+    let mut code = 0;
+    for (addr, r) in client.stats() {
+        let v = match r {
+            Ok(s) => serde_json::from_str(&s).unwrap_or(serde_json::Value::String(s)),
+            Err(e) => {
+                code = 1;
+                serde_json::json!({ "error": e })
+            }
+        };
+        out.insert(addr, v);
+    }
+    println!("{}", serde_json::to_string_pretty(&out).unwrap());
+    Ok(code)
+}
+
+fn ping(c: Conn) -> Result<i32, String> {
+    let client = c.client(1, 1)?;
+    let mut code = 0;
+    for (addr, r) in client.ping() {
+        match r {
+            Ok(d) => println!("{addr}: ok {:.3} ms", d.as_secs_f64() * 1e3),
+            Err(e) => {
+                code = 1;
+                println!("{addr}: DOWN ({e})");
+            }
+        }
+    }
+    Ok(code)
+}
