@@ -97,20 +97,20 @@ if ((run_rust)); then
 fi
 
 # --- 3. build + install -------------------------------------------------------------------------
+# shellcheck disable=SC2329  # invoked through step
 build() {
   VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" "$VENV/bin/maturin" develop --release
 }
 step "maturin develop --release (.venv)" build
-if [[ "${SUMMARY[-1]}" == *FAIL* ]]; then
-  echo "build failed: the Python tests need the extension, stopping here" >&2
-  summary
-  exit 1
-fi
+built=1
+# Without the extension the pure-Python tests still run (from the source tree); e2e cannot.
+[[ "${SUMMARY[-1]}" == *FAIL* ]] && built=0
 
 # --- 4. pytest in .venv -------------------------------------------------------------------------
 step "pytest tests/ (.venv)" "$VENV/bin/python" -m pytest tests -ra "${PYTEST_ARGS[@]}"
 
 # --- 5. e2e with real vLLM ----------------------------------------------------------------------
+# shellcheck disable=SC2329  # invoked through step
 e2e_in() {  # e2e_in <venv>
   local venv="$1" dirs=() d
   for d in tests/tier tests/e2e; do [[ -d $d ]] && dirs+=("$d"); done
@@ -127,7 +127,9 @@ e2e_in() {  # e2e_in <venv>
   rm -f "$marker"
   return "$rc"
 }
-if ((run_e2e)); then
+if ((run_e2e && !built)); then
+  SUMMARY+=("$(printf '%-44s %-26s' "e2e with real vLLM" "SKIPPED (build failed)")")
+elif ((run_e2e)); then
   found=0
   for v in "${VLLM_VENVS[@]}"; do
     if [[ -x "$ROOT/$v/bin/python" ]] && "$ROOT/$v/bin/python" -c 'import vllm' 2>/dev/null; then
