@@ -51,10 +51,10 @@ class _Side:
         r = rows.astype(np.int64)
         if int(r.min(initial=0)) < 0 or int(r.max(initial=0)) >= self.rows[t_idx]:
             raise IndexError(f"block id out of range for tensor {t_idx}")
-        sub = (np.arange(skip, skip + n, dtype=np.int64))
+        sub = np.arange(skip, skip + n, dtype=np.int64)
         row_of = r[sub // self.bpc]
-        addr = self.bases[t_idx] + row_of * self.strides[t_idx] + (sub % self.bpc) * self.pages[t_idx]
-        return addr.tolist()
+        offs = row_of * self.strides[t_idx] + (sub % self.bpc) * self.pages[t_idx]
+        return (self.bases[t_idx] + offs).tolist()
 
 
 class SyncCopyWorker:
