@@ -1,0 +1,199 @@
+"""Typed Python client for a memkv cluster, over the Rust extension ``memkv_vllm._native``.
+
+Values move between the caller's memory and the sockets with no Python copy: torch tensors,
+numpy arrays and any buffer-protocol object are turned into (address, length) pairs, and the
+owning objects are kept alive until the native I/O that uses them is finished. Blocking calls
+release the GIL; ``submit_*`` calls run on native I/O threads and return an :class:`Op`.
+
+A server that is down, slow or misbehaving never raises here: its keys come back
+``Status.UNAVAILABLE`` (a miss / a dropped store), and the caller decides what to do.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from memkv_vllm import _native
+from memkv_vllm.config import MemKVConfig, load_config
+
+__all__ = ["MAX_KEY_LEN", "MemKVClient", "Op", "Status", "buffer_address"]
+
+log = logging.getLogger(__name__)
+
+MAX_KEY_LEN: int = _native.MAX_KEY_LEN
+
+
+class Status(enum.IntEnum):
+    """Per-key outcome; the numbers are the wire protocol's status bytes."""
+
+    OK = 0
+    NOT_FOUND = 1
+    LENGTH_MISMATCH = 2
+    TOO_LARGE = 3
+    NO_SPACE = 4
+    UNAVAILABLE = 5
+    CORRUPT = 6
+    INVALID_KEY = 7
+    OK_NO_LEASE = 8
+
+    @staticmethod
+    def is_ok(s: int) -> bool:
+        """True when the value is there (EXISTS) or its bytes arrived (GET/PUT)."""
+        return s == Status.OK or s == Status.OK_NO_LEASE
+
+
+def buffer_address(obj: Any, writable: bool) -> tuple[int, int]:
+    """(address, byte length) of a contiguous CPU buffer: torch tensor, numpy array, or any
+    object with the buffer protocol. Raises ValueError for memory we cannot safely use."""
+    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):  # torch.Tensor, without importing torch
+        if obj.device.type != "cpu":
+            raise ValueError(f"tensor on {obj.device}: the TCP transport needs host memory")
+        if not obj.is_contiguous():
+            raise ValueError("tensor is not contiguous")
+        return int(obj.data_ptr()), int(obj.numel() * obj.element_size())
+    import numpy as np
+
+    arr = obj if isinstance(obj, np.ndarray) else np.frombuffer(obj, dtype=np.uint8)
+    if not arr.flags["C_CONTIGUOUS"]:
+        raise ValueError("array is not C-contiguous")
+    if writable and not arr.flags["WRITEABLE"]:
+        raise ValueError("buffer is read-only; get_into needs writable memory")
+    return int(arr.ctypes.data), int(arr.nbytes)
+
+
+def _statuses(codes: Sequence[int]) -> list[Status]:
+    return [Status(c) for c in codes]
+
+
+class Op:
+    """A submitted batch. ``wait`` returns per-key statuses, or None on timeout."""
+
+    __slots__ = ("_op", "_exists")
+
+    def __init__(self, op: Any, exists: bool = False) -> None:
+        self._op = op
+        self._exists = exists
+
+    def done(self) -> bool:
+        return bool(self._op.done())
+
+    def wait(self, timeout: float | None = None) -> list[Status] | None:
+        r = self._op.wait(timeout)
+        if r is None:
+            return None
+        return [Status(s) for s, _ in r] if self._exists else _statuses(r)
+
+    def wait_lengths(self, timeout: float | None = None) -> list[tuple[Status, int]] | None:
+        """For EXISTS ops: (status, stored value length) per key."""
+        r = self._op.wait(timeout)
+        if r is None:
+            return None
+        return [(Status(s), n) for s, n in r]
+
+
+class MemKVClient:
+    """Batched exists/put/get/delete against a cluster; keys are sharded by rendezvous hashing."""
+
+    def __init__(self, config: MemKVConfig, io_threads: int | None = None) -> None:
+        if config.transport == "rdma":
+            raise ValueError(
+                "MEMKV_TRANSPORT=rdma: this build has the TCP transport only; "
+                "use 'tcp', or 'auto' to pick RDMA when a later build provides it"
+            )
+        self.config = config
+        self._c = _native.Client(
+            list(config.servers),
+            config.auth_key,
+            config.connections_per_server,
+            config.connect_timeout_s,
+            config.op_timeout_s,
+            io_threads or config.io_threads,
+        )
+
+    @classmethod
+    def from_config(cls, cfg: MemKVConfig | None = None, io_threads: int | None = None) -> MemKVClient:
+        return cls(cfg if cfg is not None else load_config(), io_threads)
+
+    # -- blocking calls (GIL released during I/O) ------------------------------------------
+
+    def exists(self, keys: Sequence[bytes], lease_ms: int = 0) -> list[Status]:
+        return [Status(s) for s, _ in self._c.exists(list(keys), lease_ms)]
+
+    def exists_lengths(self, keys: Sequence[bytes], lease_ms: int = 0) -> list[tuple[Status, int]]:
+        return [(Status(s), n) for s, n in self._c.exists(list(keys), lease_ms)]
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[Status]:
+        ptrs, sizes = self._addresses(values, writable=False)
+        return _statuses(self._c.put(list(keys), ptrs, sizes))
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[Status]:
+        ptrs, sizes = self._addresses(buffers, writable=True)
+        return _statuses(self._c.get_into(list(keys), ptrs, sizes))
+
+    def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
+                 owner: object = None) -> list[Status]:
+        del owner  # held by the caller's frame for the duration of this blocking call
+        return _statuses(self._c.put(list(keys), list(ptrs), list(sizes)))
+
+    def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
+                      owner: object = None) -> list[Status]:
+        del owner
+        return _statuses(self._c.get_into(list(keys), list(ptrs), list(sizes)))
+
+    def delete(self, keys: Sequence[bytes]) -> list[Status]:
+        return _statuses(self._c.delete(list(keys)))
+
+    # -- submitted calls (native I/O threads; owners kept alive until done) ------------------
+
+    def submit_exists(self, keys: Sequence[bytes], lease_ms: int = 0) -> Op:
+        return Op(self._c.submit_exists(list(keys), lease_ms), exists=True)
+
+    def submit_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> Op:
+        ptrs, sizes = self._addresses(values, writable=False)
+        return Op(self._c.submit_put(list(keys), ptrs, sizes, list(values)))
+
+    def submit_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> Op:
+        ptrs, sizes = self._addresses(buffers, writable=True)
+        return Op(self._c.submit_get_into(list(keys), ptrs, sizes, list(buffers)))
+
+    def submit_put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
+                        owner: object = None) -> Op:
+        return Op(self._c.submit_put(list(keys), list(ptrs), list(sizes), owner))
+
+    def submit_get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int],
+                             sizes: Sequence[int], owner: object = None) -> Op:
+        return Op(self._c.submit_get_into(list(keys), list(ptrs), list(sizes), owner))
+
+    # -- cluster -------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Counters per server address; a server that does not answer maps to {"error": ...}."""
+        out: dict[str, dict[str, Any]] = {}
+        for addr, text, err in self._c.stats():
+            out[addr] = json.loads(text) if text is not None else {"error": err}
+        return out
+
+    def ping(self) -> dict[str, float | None]:
+        """Round-trip seconds per server, None for a server that does not answer."""
+        return {addr: secs for addr, secs, _ in self._c.ping()}
+
+    def server_of(self, key: bytes) -> str:
+        return self.config.servers[self._c.server_of(key)]
+
+    def close(self) -> None:
+        """Drops the connections (once the I/O threads finish what was submitted)."""
+        self._c = None  # type: ignore[assignment]
+
+    @staticmethod
+    def _addresses(objs: Sequence[Any], writable: bool) -> tuple[list[int], list[int]]:
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        for o in objs:
+            p, n = buffer_address(o, writable)
+            ptrs.append(p)
+            sizes.append(n)
+        return ptrs, sizes

@@ -1,0 +1,38 @@
+"""Shared fixtures: real `memkv serve` processes on free loopback ports, stopped after each test."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from memkv_procs import MemKVServer  # noqa: E402
+
+
+@pytest.fixture
+def memkv_server_factory() -> Iterator[Callable[..., MemKVServer]]:
+    """Starts servers on demand: ``factory(memory='256M', lanes=4, auth_key=None, metrics=False)``."""
+    started: list[MemKVServer] = []
+
+    def make(**kw: object) -> MemKVServer:
+        s = MemKVServer(**kw).start()  # type: ignore[arg-type]
+        started.append(s)
+        return s
+
+    yield make
+    for s in started:
+        s.kill()
+
+
+@pytest.fixture
+def memkv_server(memkv_server_factory: Callable[..., MemKVServer]) -> MemKVServer:
+    return memkv_server_factory()
+
+
+@pytest.fixture
+def memkv_cluster2(memkv_server_factory: Callable[..., MemKVServer]) -> list[MemKVServer]:
+    return [memkv_server_factory(), memkv_server_factory()]

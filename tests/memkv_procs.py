@@ -1,0 +1,95 @@
+"""Starting and stopping real `memkv serve` processes on free loopback ports, for tests and demos."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def memkv_command() -> list[str]:
+    """The server command: $MEMKV_BIN, the cargo-built binary, or the wheel's console script."""
+    if os.environ.get("MEMKV_BIN"):
+        return [os.environ["MEMKV_BIN"]]
+    built = ROOT / "native" / "target" / "release" / "memkv"
+    if built.exists():
+        return [str(built)]
+    script = shutil.which("memkv")
+    if script:
+        return [script]
+    return [sys.executable, "-m", "memkv_vllm.cli"]
+
+
+class MemKVServer:
+    """One real server process. ``address`` is its host:port once started."""
+
+    def __init__(self, memory: str = "256M", lanes: int = 4, auth_key: str | None = None,
+                 metrics: bool = False, extra: list[str] | None = None,
+                 listen: str = "127.0.0.1:0") -> None:
+        self.args = ["serve", "--listen", listen, "--memory", memory, "--lanes", str(lanes)]
+        if auth_key:
+            self.args += ["--auth-key", auth_key]
+        if metrics:
+            self.args += ["--metrics", "127.0.0.1:0"]
+        self.args += extra or []
+        self.auth_key = auth_key
+        self.proc: subprocess.Popen[str] | None = None
+        self.address = ""
+
+    def start(self, timeout: float = 30.0) -> MemKVServer:
+        env = {k: v for k, v in os.environ.items() if k != "MEMKV_AUTH_KEY"}
+        # stderr goes to a file: a pipe nobody drains would block the server once full.
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="memkv-", suffix=".log")
+        self.proc = subprocess.Popen(memkv_command() + self.args, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, env=env)
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"memkv serve exited: {self.log()}")
+            if line.startswith("memkv listening on "):
+                self.address = line.split()[-1]
+                return self
+        raise RuntimeError("memkv serve did not report its address in time")
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def stats(self) -> dict:
+        out = subprocess.run(memkv_command() + ["stats", "--servers", self.address],
+                             capture_output=True, text=True, timeout=30,
+                             env={**os.environ, "MEMKV_AUTH_KEY": self.auth_key or ""}
+                             if self.auth_key else None)
+        return json.loads(out.stdout)[self.address]
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: the abrupt death of a server."""
+        if self.alive():
+            assert self.proc is not None
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM (graceful drain); returns the exit code."""
+        assert self.proc is not None
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def log(self) -> str:
+        """What the server wrote to stderr so far."""
+        self._log.flush()
+        return Path(self._log.name).read_text()

@@ -1,0 +1,200 @@
+"""The client against real `memkv serve` processes on loopback: data integrity, sharing, failure."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from memkv_vllm.client import MemKVClient, Status
+from memkv_vllm.config import MemKVConfig
+
+KEY_HEX = "ab" * 32
+
+
+def client_for(*servers, **kw) -> MemKVClient:
+    addrs = tuple(s.address for s in servers)
+    return MemKVClient(MemKVConfig(servers=addrs, **kw))
+
+
+def rand_bytes(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("size", [1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20])
+def test_numpy_round_trip_is_byte_exact(memkv_server_factory, size):
+    srv = memkv_server_factory(memory="512M", lanes=2)
+    c = client_for(srv)
+    src = rand_bytes(size, size)
+    assert c.put([b"k/%d" % size], [src]) == [Status.OK]
+    dst = np.zeros(size, dtype=np.uint8)
+    assert c.get_into([b"k/%d" % size], [dst]) == [Status.OK]
+    assert np.array_equal(src, dst)
+
+
+def test_batch_of_mixed_sizes_and_buffer_types(memkv_server):
+    c = client_for(memkv_server)
+    vals = [rand_bytes(n, i) for i, n in enumerate([1, 100, 4096, 300_000])]
+    keys = [b"mixed/%d" % i for i in range(len(vals))]
+    srcs = [bytes(vals[0]), bytearray(vals[1]), memoryview(vals[2]), vals[3].reshape(1000, 300)]
+    assert c.put(keys, srcs) == [Status.OK] * 4
+    dsts = [bytearray(1), np.zeros(100, np.uint8), memoryview(bytearray(4096)),
+            np.zeros((300, 1000), np.uint8)]
+    assert c.get_into(keys, dsts) == [Status.OK] * 4
+    for v, d in zip(vals, dsts):
+        assert np.array_equal(v, np.frombuffer(d, np.uint8).reshape(-1))
+
+
+def test_misses_length_mismatch_and_invalid_keys(memkv_server):
+    c = client_for(memkv_server)
+    c.put([b"len8"], [b"12345678"])
+    buf = bytearray(b"untouched")
+    st = c.get_into([b"len8", b"absent", b"", b"x" * 2000], [buf, bytearray(3), bytearray(1),
+                                                             bytearray(1)])
+    assert st == [Status.LENGTH_MISMATCH, Status.NOT_FOUND, Status.INVALID_KEY,
+                  Status.INVALID_KEY]
+    assert buf == b"untouched", "a length mismatch must not copy any byte"
+    assert c.exists_lengths([b"len8", b"absent"]) == [(Status.OK, 8), (Status.NOT_FOUND, 0)]
+    assert c.delete([b"len8", b"len8"]) == [Status.OK, Status.NOT_FOUND]
+    with pytest.raises(ValueError):
+        c.get_into([b"ro"], [b"read-only bytes"])
+
+
+def test_submitted_ops_complete_and_keep_buffers_alive(memkv_server):
+    c = client_for(memkv_server)
+    keys = [b"async/%d" % i for i in range(32)]
+    op = c.submit_put(keys, [rand_bytes(65536, i) for i in range(32)])  # temporaries: op owns them
+    assert op.wait(30) == [Status.OK] * 32
+    assert c.submit_exists(keys + [b"nope"]).wait(30) == [Status.OK] * 32 + [Status.NOT_FOUND]
+    dst = [np.zeros(65536, np.uint8) for _ in keys]
+    op = c.submit_get_into(keys, dst)
+    assert op.wait(30) == [Status.OK] * 32 and op.done()
+    assert all(np.array_equal(d, rand_bytes(65536, i)) for i, d in enumerate(dst))
+
+
+def test_two_clients_share_a_two_server_cluster(memkv_cluster2):
+    a, b = client_for(*memkv_cluster2), client_for(*reversed(memkv_cluster2))
+    keys = [b"shared/%04d" % i for i in range(200)]
+    vals = [rand_bytes(1000 + i, i) for i in range(200)]
+    assert a.put(keys, vals) == [Status.OK] * 200
+    # The server order in the list does not change placement: b finds everything a wrote.
+    dst = [np.zeros(1000 + i, np.uint8) for i in range(200)]
+    assert b.get_into(keys, dst) == [Status.OK] * 200
+    assert all(np.array_equal(v, d) for v, d in zip(vals, dst))
+    items = [s.stats()["items"] for s in memkv_cluster2]
+    assert sum(items) == 200 and min(items) > 50, f"keys not spread over both servers: {items}"
+
+
+def test_killed_server_turns_its_keys_into_misses_without_hanging(memkv_cluster2):
+    c = client_for(*memkv_cluster2, op_timeout_s=3.0, connect_timeout_s=1.0)
+    keys = [b"kill/%04d" % i for i in range(64)]
+    vals = [rand_bytes(1 << 20, i) for i in range(64)]
+    assert c.put(keys, vals) == [Status.OK] * 64
+    victim = memkv_cluster2[1]
+    owned_by_victim = [c.server_of(k) == victim.address for k in keys]
+    dst = [np.zeros(1 << 20, np.uint8) for _ in keys]
+    # Kill the server while a big batched get is in flight.
+    op = c.submit_get_into(keys * 8, dst * 8)
+    victim.kill()
+    t0 = time.monotonic()
+    st = op.wait(30)
+    assert st is not None, "a batch must not hang when a server dies"
+    st = c.get_into(keys, dst)
+    assert time.monotonic() - t0 < 15
+    for s, lost, v, d in zip(st, owned_by_victim, vals, dst):
+        if lost:
+            assert s == Status.UNAVAILABLE
+        else:
+            assert s == Status.OK and np.array_equal(v, d)
+    assert any(owned_by_victim) and not all(owned_by_victim)
+    t0 = time.monotonic()
+    assert c.exists(keys).count(Status.UNAVAILABLE) == sum(owned_by_victim)
+    assert time.monotonic() - t0 < 5, "a known-down server must answer fast (backoff)"
+
+
+def test_auth_key_required_and_checked(memkv_server_factory):
+    srv = memkv_server_factory(auth_key=KEY_HEX)
+    good = client_for(srv, auth_key=bytes.fromhex(KEY_HEX))
+    assert good.put([b"secret"], [b"v"]) == [Status.OK]
+    wrong = client_for(srv, auth_key=bytes.fromhex("cd" * 32))
+    assert wrong.exists([b"secret"]) == [Status.UNAVAILABLE]
+    none = client_for(srv)
+    assert none.exists([b"secret"]) == [Status.UNAVAILABLE]
+    assert good.exists([b"secret"]) == [Status.OK], "server must still serve after rejections"
+    errors = srv.stats()["errors"]
+    assert errors["auth_failed"] >= 1
+
+
+def test_memory_budget_holds_under_3x_writes(memkv_server_factory):
+    srv = memkv_server_factory(memory="64M", lanes=2)
+    c = client_for(srv)
+    size, n = 1 << 20, 192  # 3x the budget
+    for i in range(0, n, 8):
+        keys = [b"evict/%04d" % j for j in range(i, i + 8)]
+        assert c.put(keys, [rand_bytes(size, j) for j in range(i, i + 8)]) == [Status.OK] * 8
+    st = srv.stats()
+    assert st["memory_used_bytes"] <= st["memory_capacity_bytes"] == 64 << 20
+    assert st["evictions"] >= n - 64
+    dst = np.zeros(size, np.uint8)
+    hits = 0
+    for j in range(n):
+        s = c.get_into([b"evict/%04d" % j], [dst])[0]
+        assert s in (Status.OK, Status.NOT_FOUND)
+        if s == Status.OK:
+            hits += 1
+            assert np.array_equal(dst, rand_bytes(size, j)), f"wrong bytes for key {j}"
+    assert 32 <= hits <= 64
+    assert c.exists([b"evict/%04d" % (n - 1)]) == [Status.OK], "newest value must survive"
+
+
+def test_leased_values_survive_pressure(memkv_server_factory):
+    srv = memkv_server_factory(memory="16M", lanes=1)
+    c = client_for(srv)
+    c.put([b"keep"], [rand_bytes(1 << 20, 99)])
+    assert c.exists([b"keep"], lease_ms=60_000) == [Status.OK]
+    for i in range(64):
+        c.put([b"fill/%d" % i], [rand_bytes(1 << 20, i)])
+    dst = np.zeros(1 << 20, np.uint8)
+    assert c.get_into([b"keep"], [dst]) == [Status.OK]
+    assert np.array_equal(dst, rand_bytes(1 << 20, 99))
+    assert srv.stats()["leases_granted"] == 1
+
+
+def test_concurrent_clients_never_read_wrong_bytes(memkv_server_factory):
+    srv = memkv_server_factory(memory="32M", lanes=2)
+    errors: list[str] = []
+
+    def worker(t: int) -> None:
+        c = client_for(srv)
+        for i in range(60):
+            k = b"race/%d" % (i % 10)
+            # Every writer writes the same bytes for a key, so any OK read must match them.
+            v = rand_bytes(512 << 10, i % 10)
+            c.put([k], [v])
+            d = np.zeros(512 << 10, np.uint8)
+            if c.get_into([k], [d]) == [Status.OK] and not np.array_equal(d, v):
+                errors.append(f"thread {t}: wrong bytes for {k!r}")
+
+    ts = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not errors
+
+
+def test_rdma_transport_is_refused_clearly(memkv_server):
+    with pytest.raises(ValueError, match="TCP transport only"):
+        client_for(memkv_server, transport="rdma")
+
+
+def test_env_config_reaches_the_client(memkv_server, monkeypatch):
+    monkeypatch.setenv("MEMKV_SERVERS", memkv_server.address)
+    monkeypatch.delenv("MEMKV_CONFIG", raising=False)
+    c = MemKVClient.from_config()
+    assert c.put([b"env"], [b"ok"]) == [Status.OK]
+    assert c.ping()[memkv_server.address] is not None
+    assert os.environ["MEMKV_SERVERS"] == memkv_server.address
