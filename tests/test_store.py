@@ -1,0 +1,98 @@
+"""The block-store interface on its own: no vLLM, a real memkv server, plain numpy memory.
+
+This is how another serving stack would use it; the test also proves store.py imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memkv_procs import MemKVServer  # noqa: E402
+
+from memkv_vllm.store import BlockStore, Lookup, StoreOptions  # noqa: E402
+
+pytest.importorskip("memkv_vllm._native", reason="needs the built memkv client")
+
+
+@pytest.fixture
+def server() -> Iterator[MemKVServer]:
+    s = MemKVServer(memory="64M", lanes=2).start()
+    yield s
+    s.kill()
+
+
+def _store(address: str, **opts) -> BlockStore:
+    from memkv_vllm.client import MemKVClient
+    from memkv_vllm.config import load_config
+
+    return BlockStore(MemKVClient.from_config(load_config({"servers": [address]})),
+                      StoreOptions(**opts))
+
+
+def _wait(cond, timeout: float = 5.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout
+        time.sleep(0.01)
+
+
+def test_store_module_has_no_vllm_imports() -> None:
+    code = ("import sys; sys.modules['vllm'] = None; sys.modules['torch'] = None\n"
+            "import memkv_vllm.store, memkv_vllm.keys; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
+
+
+def test_round_trip_with_batched_lookups(server: MemKVServer) -> None:
+    st = _store(server.address, blocks_per_op=2)
+    try:
+        src = np.random.default_rng(1).integers(-128, 127, size=(5, 4096), dtype=np.int8)
+        keys = [f"blk/{i}".encode() for i in range(5)]
+        ptrs = [src.ctypes.data + i * 4096 for i in range(5)]
+        st.submit_store(1, keys, ptrs, [4096] * 5, owner=src)
+        done: list = []
+        _wait(lambda: done.extend(st.poll()) or done)
+        assert done[0].ok and done[0].job_id == 1 and done[0].nbytes == 5 * 4096
+
+        assert st.lookup(keys[0]) is Lookup.HIT  # our own store is known without a probe
+        fresh = _store(server.address)
+        try:
+            asked = keys + [b"blk/absent"]
+            assert [fresh.lookup(k) for k in asked] == [Lookup.PENDING] * 6
+            fresh.flush_lookups()  # one exists batch for all six
+            _wait(lambda: fresh.lookup(asked[-1]) is not Lookup.PENDING)
+            _wait(lambda: all(fresh.lookup(k) is not Lookup.PENDING for k in asked))
+            assert [fresh.lookup(k) for k in asked] == [Lookup.HIT] * 5 + [Lookup.MISS]
+            assert fresh.stats()["probes"] == 1
+
+            dst = np.zeros_like(src)
+            fresh.submit_load(2, keys, [dst.ctypes.data + i * 4096 for i in range(5)],
+                              [4096] * 5, owner=dst)
+            got: list = []
+            _wait(lambda: got.extend(fresh.poll()) or got)
+            assert got[0].ok and got[0].is_load and np.array_equal(dst, src)
+        finally:
+            fresh.close()
+    finally:
+        st.close()
+
+
+def test_missing_key_fails_the_load_and_becomes_a_miss(server: MemKVServer) -> None:
+    st = _store(server.address)
+    try:
+        dst = np.zeros(4096, dtype=np.int8)
+        st.submit_load(9, [b"nope"], [dst.ctypes.data], [4096], owner=dst)
+        got: list = []
+        _wait(lambda: got.extend(st.poll()) or got)
+        assert not got[0].ok and got[0].ok_keys == ()
+        assert st.lookup(b"nope") is Lookup.MISS  # remembered: no second load attempt
+    finally:
+        st.close()
