@@ -84,7 +84,12 @@ impl Conn {
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("MEMKV_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    use std::io::IsTerminal;
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
 }
 
 /// Runs the command line `args` (args[0] is the program name); returns the exit code.

@@ -92,7 +92,7 @@ impl Server {
             lanes = store.lane_count(),
             max_value_bytes = store.max_value_len,
             auth = cfg.auth_key.is_some(),
-            metrics = ?metrics_addr,
+            metrics = %metrics_addr.map_or("off".to_string(), |a| a.to_string()),
             "memkv serving"
         );
         Ok(Server { addr, metrics_addr, store, shutdown, threads, drain_timeout: cfg.drain_timeout })

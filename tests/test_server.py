@@ -1,0 +1,199 @@
+"""The server against hostile and careless peers, spoken to with raw sockets and hand-made frames
+(an independent reading of docs/protocol.md), plus metrics, CLI and graceful shutdown."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from memkv_procs import memkv_command
+
+from memkv_vllm.client import MemKVClient, Status
+from memkv_vllm.config import MemKVConfig
+
+HELLO, AUTH, PING, EXISTS, PUT, GET, DELETE, STATS = range(1, 9)
+ERROR = 0xFF
+
+
+def header(op: int, body_len: int, payload_len: int = 0, rid: int = 1, magic: bytes = b"MK",
+           version: int = 1) -> bytes:
+    return magic + struct.pack("<BBIQIIQ", version, op, 0, rid, body_len, 0, payload_len)
+
+
+def key_lens(items: list[tuple[bytes, int]]) -> bytes:
+    out = struct.pack("<I", len(items))
+    for k, n in items:
+        out += struct.pack("<H", len(k)) + k + struct.pack("<Q", n)
+    return out
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return buf
+
+
+def read_frame(s: socket.socket) -> tuple[int, bytes, int]:
+    h = recv_exact(s, 32)
+    assert h[:2] == b"MK" and h[2] == 1
+    op = h[3]
+    body_len, _, payload_len = struct.unpack("<IIQ", h[16:32])
+    return op, recv_exact(s, body_len), payload_len
+
+
+def connect(srv) -> socket.socket:
+    host, port = srv.address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=10)
+    return s
+
+
+def hello(s: socket.socket) -> None:
+    s.sendall(header(HELLO, 0))
+    op, body, _ = read_frame(s)
+    assert op == 0x81 and len(body) == 41
+
+
+def assert_closed_with_error(s: socket.socket, code: int) -> None:
+    op, body, _ = read_frame(s)
+    assert op == ERROR, op
+    assert struct.unpack("<H", body[:2])[0] == code, body
+    try:
+        rest = s.recv(1)
+    except ConnectionResetError:  # closed with our unread bytes still queued: also a close
+        rest = b""
+    assert rest == b"", "connection must close after an error frame"
+
+
+def still_serving(srv) -> None:
+    c = MemKVClient(MemKVConfig(servers=(srv.address,)))
+    assert c.put([b"alive"], [b"yes"]) == [Status.OK]
+    d = bytearray(3)
+    assert c.get_into([b"alive"], [d]) == [Status.OK] and d == b"yes"
+
+
+@pytest.mark.parametrize(
+    "frame,code",
+    [
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 8, 1),  # not our protocol
+        (header(PING, 0, version=9), 2),  # future version
+        (header(0x42, 0), 3),  # unknown opcode
+        (header(PING, 0, payload_len=10), 4),  # payload on an op without one
+        (header(GET, 1 << 30), 5),  # control body over the limit
+    ],
+)
+def test_bad_frames_get_an_error_and_the_server_keeps_serving(memkv_server, frame, code):
+    s = connect(memkv_server)
+    s.sendall(frame)
+    assert_closed_with_error(s, code)
+    still_serving(memkv_server)
+
+
+def test_malformed_bodies_and_ops_before_hello(memkv_server):
+    s = connect(memkv_server)
+    s.sendall(header(PING, 0))
+    assert_closed_with_error(s, 6)  # unauthenticated: HELLO first
+    for body in [b"\x01", struct.pack("<IH", 1, 0), struct.pack("<I", 1_000_000)]:
+        s = connect(memkv_server)
+        hello(s)
+        s.sendall(header(DELETE, len(body)) + body)
+        op, _, _ = read_frame(s)
+        assert op == ERROR
+    # A PUT whose payload length disagrees with its key table.
+    s = connect(memkv_server)
+    hello(s)
+    body = key_lens([(b"k", 10)])
+    s.sendall(header(PUT, len(body), payload_len=11) + body)
+    assert_closed_with_error(s, 4)
+    stats = memkv_server.stats()
+    assert stats["errors"]["malformed"] >= 3 and stats["errors"]["too_large"] >= 1
+    still_serving(memkv_server)
+
+
+def test_oversize_value_is_refused_and_stream_stays_in_sync(memkv_server_factory):
+    srv = memkv_server_factory(memory="8M", lanes=4)  # 2 MiB per lane: the max value
+    s = connect(srv)
+    hello(s)
+    big, small = (2 << 20) + 1, 5
+    body = key_lens([(b"big", big), (b"small", small)])
+    s.sendall(header(PUT, len(body), payload_len=big + small) + body + b"x" * big + b"hello")
+    op, body, _ = read_frame(s)
+    assert op == 0x85
+    assert struct.unpack("<I", body[:4])[0] == 2 and list(body[4:]) == [Status.TOO_LARGE, Status.OK]
+    # Same connection, next request: GET of the small value returns exactly its bytes.
+    body = key_lens([(b"small", small), (b"big", 1)])
+    s.sendall(header(GET, len(body)) + body)
+    op, body, plen = read_frame(s)
+    assert op == 0x86 and plen == small
+    assert body[4] == Status.OK and body[13] == Status.NOT_FOUND
+    assert recv_exact(s, plen) == b"hello"
+
+
+def test_interrupted_put_leaves_nothing(memkv_server):
+    s = connect(memkv_server)
+    hello(s)
+    body = key_lens([(b"half", 1000)])
+    s.sendall(header(PUT, len(body), payload_len=1000) + body + b"y" * 500)
+    s.close()
+    time.sleep(0.3)
+    c = MemKVClient(MemKVConfig(servers=(memkv_server.address,)))
+    assert c.exists([b"half"]) == [Status.NOT_FOUND]
+    assert memkv_server.stats()["memory_used_bytes"] == 0, "the reservation must be released"
+
+
+def test_metrics_endpoint_speaks_prometheus(memkv_server_factory):
+    srv = memkv_server_factory(metrics=True)
+    c = MemKVClient(MemKVConfig(servers=(srv.address,)))
+    c.put([b"m1", b"m2"], [b"a", b"b"])
+    c.get_into([b"m1", b"zz"], [bytearray(1), bytearray(1)])
+    port = None
+    for line in srv.log().splitlines():
+        if " metrics=127.0.0.1:" in line:
+            port = int(line.split(" metrics=127.0.0.1:")[1].split()[0])
+    assert port, srv.log()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    metrics = dict(
+        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+    )
+    assert metrics["memkv_hits_total"] == "1" and metrics["memkv_misses_total"] == "1"
+    assert metrics["memkv_puts_total"] == "2" and metrics["memkv_items"] == "2"
+    assert metrics['memkv_errors_total{kind="auth_failed"}'] == "0"
+    assert int(metrics["memkv_memory_capacity_bytes"]) == 256 << 20
+
+
+def test_sigterm_drains_and_exits_cleanly(memkv_server):
+    c = MemKVClient(MemKVConfig(servers=(memkv_server.address,)))
+    op = c.submit_put([b"drain/%d" % i for i in range(16)],
+                      [np.ones(4 << 20, np.uint8) for _ in range(16)])
+    time.sleep(0.05)
+    assert memkv_server.stop() == 0
+    assert op.wait(30) is not None
+    assert "memkv stopped" in memkv_server.log()
+
+
+def test_cli_ping_and_bad_flags(memkv_server):
+    out = subprocess.run(memkv_command() + ["ping", "--servers", memkv_server.address],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "ok" in out.stdout
+    out = subprocess.run(memkv_command() + ["ping", "--servers", "127.0.0.1:1", "--timeout", "1"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "DOWN" in out.stdout
+    for bad in (["--memory", "12X"], ["--auth-key", "abc"], ["--lanes", "0"]):
+        out = subprocess.run(memkv_command() + ["serve", "--listen", "127.0.0.1:0", *bad],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode != 0 and "error" in out.stderr.lower(), (bad, out.stderr)
+
+
+def test_listen_address_in_use_is_a_clear_error(memkv_server):
+    out = subprocess.run(memkv_command() + ["serve", "--listen", memkv_server.address,
+                                            "--memory", "16M"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "cannot start on" in out.stderr
