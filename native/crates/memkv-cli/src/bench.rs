@@ -92,7 +92,13 @@ fn tcp_ceiling(size: usize, volume: u64) -> std::io::Result<f64> {
 }
 
 /// memkv put then get throughput for `threads` threads, each with its own keys and buffers.
-fn memkv_point(client: &Arc<Client>, size: usize, threads: usize, volume: u64, tag: &str) -> (f64, f64) {
+fn memkv_point(
+    client: &Arc<Client>,
+    size: usize,
+    threads: usize,
+    volume: u64,
+    tag: &str,
+) -> (f64, f64) {
     let per_thread = ((volume / size as u64) as usize / threads).max(1);
     // Keys per thread that fit the store comfortably; they are overwritten round-robin.
     let distinct = 4usize;
@@ -104,7 +110,10 @@ fn memkv_point(client: &Arc<Client>, size: usize, threads: usize, volume: u64, t
                     let mut buf = vec![th as u8; size];
                     for i in 0..per_thread {
                         let key = format!("bench/{tag}/{size}/{th}/{}", i % distinct).into_bytes();
-                        let b = Buf { ptr: buf.as_mut_ptr() as usize, len: size };
+                        let b = Buf {
+                            ptr: buf.as_mut_ptr() as usize,
+                            len: size,
+                        };
                         // SAFETY: `buf` outlives the call and is used by this thread alone.
                         let st = unsafe {
                             if put {
@@ -113,7 +122,12 @@ fn memkv_point(client: &Arc<Client>, size: usize, threads: usize, volume: u64, t
                                 client.get(&[key], &[b])
                             }
                         };
-                        assert_eq!(st[0], Status::Ok, "bench {} failed", if put { "put" } else { "get" });
+                        assert_eq!(
+                            st[0],
+                            Status::Ok,
+                            "bench {} failed",
+                            if put { "put" } else { "get" }
+                        );
                     }
                 });
             }
@@ -125,9 +139,17 @@ fn memkv_point(client: &Arc<Client>, size: usize, threads: usize, volume: u64, t
 
 /// Median latency of a batched EXISTS of 1,000 keys.
 fn exists_latency(client: &Arc<Client>) -> Duration {
-    let keys: Vec<Vec<u8>> = (0..1000).map(|i| format!("bench/exists/{i:06}").into_bytes()).collect();
+    let keys: Vec<Vec<u8>> = (0..1000)
+        .map(|i| format!("bench/exists/{i:06}").into_bytes())
+        .collect();
     let small = [0u8; 64];
-    let bufs: Vec<Buf> = keys.iter().map(|_| Buf { ptr: small.as_ptr() as usize, len: 64 }).collect();
+    let bufs: Vec<Buf> = keys
+        .iter()
+        .map(|_| Buf {
+            ptr: small.as_ptr() as usize,
+            len: 64,
+        })
+        .collect();
     // SAFETY: `small` lives until the end of this function.
     unsafe { client.put(&keys, &bufs) };
     let mut lat: Vec<Duration> = (0..51)
@@ -156,14 +178,34 @@ impl Drop for Redis {
 }
 
 fn start_redis() -> Result<Redis, String> {
-    let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| e.to_string())?.port();
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?
+        .port();
     let child = std::process::Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-        .args(["--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "1gb"])
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .args([
+            "--proto-max-bulk-len",
+            "1gb",
+            "--client-query-buffer-limit",
+            "1gb",
+        ])
         .stdout(std::process::Stdio::null())
         .spawn()
         .map_err(|e| format!("cannot start redis-server (apt-get install redis-server): {e}"))?;
-    let r = Redis { child, url: format!("redis://127.0.0.1:{port}/") };
+    let r = Redis {
+        child,
+        url: format!("redis://127.0.0.1:{port}/"),
+    };
     let deadline = Instant::now() + Duration::from_secs(10);
     while TcpStream::connect(("127.0.0.1", port)).is_err() {
         if Instant::now() > deadline {
@@ -189,9 +231,16 @@ fn redis_point(url: &str, size: usize, threads: usize, volume: u64) -> Result<(f
                         for i in 0..per_thread {
                             let key = format!("bench/{size}/{th}/{}", i % 4);
                             if put {
-                                redis::cmd("SET").arg(&key).arg(&val[..]).query::<()>(&mut c).map_err(|e| e.to_string())?;
+                                redis::cmd("SET")
+                                    .arg(&key)
+                                    .arg(&val[..])
+                                    .query::<()>(&mut c)
+                                    .map_err(|e| e.to_string())?;
                             } else {
-                                let v: Vec<u8> = redis::cmd("GET").arg(&key).query(&mut c).map_err(|e| e.to_string())?;
+                                let v: Vec<u8> = redis::cmd("GET")
+                                    .arg(&key)
+                                    .query(&mut c)
+                                    .map_err(|e| e.to_string())?;
                                 if v.len() != size {
                                     return Err("redis returned a wrong length".into());
                                 }
@@ -210,7 +259,11 @@ fn redis_point(url: &str, size: usize, threads: usize, volume: u64) -> Result<(f
 
 pub fn run(a: BenchArgs) -> Result<i32, String> {
     let volume = parse_size(&a.volume)?;
-    let sizes: Vec<usize> = a.sizes.iter().map(|s| parse_size(s).map(|v| v as usize)).collect::<Result<_, _>>()?;
+    let sizes: Vec<usize> = a
+        .sizes
+        .iter()
+        .map(|s| parse_size(s).map(|v| v as usize))
+        .collect::<Result<_, _>>()?;
     let max_threads = a.threads.iter().copied().max().unwrap_or(1);
     let mut _server = None;
     let servers = match &a.servers {
@@ -229,15 +282,41 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
             addr
         }
     };
-    let conn = Conn { servers: servers.clone(), auth_key: a.auth_key.clone(), timeout: 30.0 };
+    let conn = Conn {
+        servers: servers.clone(),
+        auth_key: a.auth_key.clone(),
+        timeout: 30.0,
+    };
     let client = conn.client(1, max_threads)?;
-    let redis = if a.vs_redis { Some(start_redis()?) } else { None };
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    println!("memkv bench: servers {servers}, {cpus} CPUs, {} per point, GB/s = 1e9 B/s", a.volume);
+    let redis = if a.vs_redis {
+        Some(start_redis()?)
+    } else {
+        None
+    };
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    println!(
+        "memkv bench: servers {servers}, {cpus} CPUs, {} per point, GB/s = 1e9 B/s",
+        a.volume
+    );
     println!(
         "{:>8} {:>3} | {:>7} {:>7} | {:>7} {:>7} | {:>7} {:>7} | {:>9} {:>9}{}",
-        "value", "thr", "memcpy", "tcp", "put", "get", "put/tcp", "get/tcp", "", "",
-        if redis.is_some() { " | redis-set redis-get  put/redis get/redis" } else { "" }
+        "value",
+        "thr",
+        "memcpy",
+        "tcp",
+        "put",
+        "get",
+        "put/tcp",
+        "get/tcp",
+        "",
+        "",
+        if redis.is_some() {
+            " | redis-set redis-get  put/redis get/redis"
+        } else {
+            ""
+        }
     );
     for &size in &sizes {
         let mc = memcpy_ceiling(size, volume);
@@ -246,7 +325,14 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
             let (p, g) = memkv_point(&client, size, th, volume, "m");
             let mut line = format!(
                 "{:>7}M {:>3} | {:>7.2} {:>7.2} | {:>7.2} {:>7.2} | {:>6.0}% {:>6.0}% |",
-                size >> 20, th, mc, tcp, p, g, 100.0 * p / tcp, 100.0 * g / tcp
+                size >> 20,
+                th,
+                mc,
+                tcp,
+                p,
+                g,
+                100.0 * p / tcp,
+                100.0 * g / tcp
             );
             if let Some(r) = &redis {
                 let (rp, rg) = redis_point(&r.url, size, th, volume)?;
@@ -256,7 +342,10 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         }
     }
     let lat = exists_latency(&client);
-    println!("batched EXISTS of 1,000 keys: median {:.3} ms", lat.as_secs_f64() * 1e3);
+    println!(
+        "batched EXISTS of 1,000 keys: median {:.3} ms",
+        lat.as_secs_f64() * 1e3
+    );
     if let Some(s) = _server {
         s.shutdown();
         s.wait();

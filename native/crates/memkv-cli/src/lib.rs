@@ -11,7 +11,11 @@ use memkv_client::{Client, ClientConfig};
 use memkv_server::{parse_auth_key, parse_size, Server, ServerConfig};
 
 #[derive(Parser)]
-#[command(name = "memkv", version, about = "memkv: an in-memory KV-cache store for vLLM")]
+#[command(
+    name = "memkv",
+    version,
+    about = "memkv: an in-memory KV-cache store for vLLM"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -66,9 +70,17 @@ pub struct Conn {
 }
 
 impl Conn {
-    pub fn client(&self, io_threads: usize, conns: usize) -> Result<std::sync::Arc<Client>, String> {
-        let servers: Vec<String> =
-            self.servers.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+    pub fn client(
+        &self,
+        io_threads: usize,
+        conns: usize,
+    ) -> Result<std::sync::Arc<Client>, String> {
+        let servers: Vec<String> = self
+            .servers
+            .split(',')
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect();
         let auth_key = self.auth_key.as_deref().map(parse_auth_key).transpose()?;
         Client::new(ClientConfig {
             servers,
@@ -123,12 +135,20 @@ fn serve(a: ServeArgs) -> Result<i32, String> {
         return Err("--lanes must be between 1 and 1024".into());
     }
     if memory / (a.lanes as u64) < 4096 {
-        return Err(format!("--memory {} is too small for {} lanes", a.memory, a.lanes));
+        return Err(format!(
+            "--memory {} is too small for {} lanes",
+            a.memory, a.lanes
+        ));
     }
     if !(0.0..=1.0).contains(&a.max_leased_fraction) {
         return Err("--max-leased-fraction must be within 0..1".into());
     }
-    let auth_key = a.auth_key.as_deref().map(parse_auth_key).transpose().map_err(|e| format!("--auth-key: {e}"))?;
+    let auth_key = a
+        .auth_key
+        .as_deref()
+        .map(parse_auth_key)
+        .transpose()
+        .map_err(|e| format!("--auth-key: {e}"))?;
     let cfg = ServerConfig {
         listen: a.listen.clone(),
         memory,

@@ -24,7 +24,10 @@ pub enum ConnError {
     #[error("protocol: {0}")]
     Proto(#[from] proto::ProtoError),
     #[error("server error {code:?}: {msg}")]
-    Server { code: Option<proto::ErrorCode>, msg: String },
+    Server {
+        code: Option<proto::ErrorCode>,
+        msg: String,
+    },
     #[error("server requires an auth key (set MEMKV_AUTH_KEY)")]
     AuthRequired,
 }
@@ -57,7 +60,11 @@ impl Conn {
         stream.set_nodelay(true)?;
         stream.set_read_timeout(Some(op_timeout))?;
         stream.set_write_timeout(Some(op_timeout))?;
-        let mut c = Conn { stream, next_id: 1, max_value_len: 0 };
+        let mut c = Conn {
+            stream,
+            next_id: 1,
+            max_value_len: 0,
+        };
         let (_, body) = c.call(Opcode::Hello, &[], &[])?;
         let hello = HelloReply::decode(&body)?;
         c.max_value_len = hello.max_value_len;
@@ -70,7 +77,12 @@ impl Conn {
 
     /// Sends one request and reads the reply header and body. The reply payload, if any, is
     /// left on the socket for the caller to read.
-    fn call(&mut self, op: Opcode, body: &[u8], payload: &[Buf]) -> Result<(Header, Vec<u8>), ConnError> {
+    fn call(
+        &mut self,
+        op: Opcode,
+        body: &[u8],
+        payload: &[Buf],
+    ) -> Result<(Header, Vec<u8>), ConnError> {
         let id = self.next_id;
         self.next_id += 1;
         let plen: u64 = payload.iter().map(|b| b.len as u64).sum();
@@ -82,7 +94,9 @@ impl Conn {
         }
         for b in payload.iter().filter(|b| b.len > 0) {
             // SAFETY: the caller guarantees each Buf is valid for reads until this call returns.
-            parts.push(IoSlice::new(unsafe { std::slice::from_raw_parts(b.ptr as *const u8, b.len) }));
+            parts.push(IoSlice::new(unsafe {
+                std::slice::from_raw_parts(b.ptr as *const u8, b.len)
+            }));
         }
         write_all_vectored(&mut self.stream, &mut parts)?;
         let mut hb = [0u8; HEADER_LEN];
@@ -109,7 +123,11 @@ impl Conn {
         Ok(String::from_utf8_lossy(&body).into_owned())
     }
 
-    pub fn exists(&mut self, keys: &[&[u8]], lease_ms: u32) -> Result<Vec<(Status, u64)>, ConnError> {
+    pub fn exists(
+        &mut self,
+        keys: &[&[u8]],
+        lease_ms: u32,
+    ) -> Result<Vec<(Status, u64)>, ConnError> {
         let (_, body) = self.call(Opcode::Exists, &proto::encode_exists(lease_ms, keys), &[])?;
         Ok(proto::decode_status_lens(&body, keys.len())?)
     }
@@ -135,13 +153,18 @@ impl Conn {
         for ((s, n), b) in st.iter().zip(bufs) {
             if *s == Status::Ok {
                 if *n != b.len as u64 {
-                    return Err(proto::ProtoError::Malformed("GET reply length differs from request").into());
+                    return Err(proto::ProtoError::Malformed(
+                        "GET reply length differs from request",
+                    )
+                    .into());
                 }
                 expected += *n;
             }
         }
         if expected != h.payload_len {
-            return Err(proto::ProtoError::Malformed("GET payload length differs from its table").into());
+            return Err(
+                proto::ProtoError::Malformed("GET payload length differs from its table").into(),
+            );
         }
         for ((s, _), b) in st.iter().zip(bufs) {
             if *s == Status::Ok {

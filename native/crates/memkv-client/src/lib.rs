@@ -63,7 +63,11 @@ impl Client {
             connect_timeout: cfg.connect_timeout,
             op_timeout: cfg.op_timeout,
         });
-        let pools = cfg.servers.iter().map(|s| Pool::new(s.clone(), pc.clone())).collect();
+        let pools = cfg
+            .servers
+            .iter()
+            .map(|s| Pool::new(s.clone(), pc.clone()))
+            .collect();
         Ok(Arc::new(Client {
             pools,
             ids: cfg.servers.clone(),
@@ -159,7 +163,10 @@ impl Client {
             .iter()
             .map(|p| {
                 let t = std::time::Instant::now();
-                let r = p.with_conn(|c| c.ping()).map(|_| t.elapsed()).map_err(|e| e.to_string());
+                let r = p
+                    .with_conn(|c| c.ping())
+                    .map(|_| t.elapsed())
+                    .map_err(|e| e.to_string());
                 (p.addr.clone(), r)
             })
             .collect()
@@ -168,7 +175,12 @@ impl Client {
     pub fn stats(&self) -> PerServer<String> {
         self.pools
             .iter()
-            .map(|p| (p.addr.clone(), p.with_conn(|c| c.stats()).map_err(|e| e.to_string())))
+            .map(|p| {
+                (
+                    p.addr.clone(),
+                    p.with_conn(|c| c.stats()).map_err(|e| e.to_string()),
+                )
+            })
             .collect()
     }
 
@@ -187,7 +199,11 @@ impl Client {
         }
         let per = self.cfg.connections_per_server.max(1);
         let mut tasks: Vec<(usize, Vec<usize>)> = Vec::new();
-        for (s, g) in groups.into_iter().enumerate().filter(|(_, g)| !g.is_empty()) {
+        for (s, g) in groups
+            .into_iter()
+            .enumerate()
+            .filter(|(_, g)| !g.is_empty())
+        {
             // Split only batches worth it: several keys per connection.
             let parts = per.min(g.len().div_ceil(4)).max(1);
             let chunk = g.len().div_ceil(parts);
@@ -205,7 +221,11 @@ impl Client {
             let first = it.next().unwrap();
             let handles: Vec<_> = it.map(|t| sc.spawn(move || run(t))).collect();
             let mut res = vec![run(first)];
-            res.extend(handles.into_iter().map(|h| h.join().expect("fan-out task panicked")));
+            res.extend(
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("fan-out task panicked")),
+            );
             res
         })
     }

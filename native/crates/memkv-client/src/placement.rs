@@ -25,7 +25,12 @@ mod tests {
     #[test]
     fn stable_balanced_and_minimal_movement() {
         let three = ["10.0.0.1:7390", "10.0.0.2:7390", "10.0.0.3:7390"];
-        let four = ["10.0.0.1:7390", "10.0.0.2:7390", "10.0.0.3:7390", "10.0.0.4:7390"];
+        let four = [
+            "10.0.0.1:7390",
+            "10.0.0.2:7390",
+            "10.0.0.3:7390",
+            "10.0.0.4:7390",
+        ];
         let n = 30_000;
         let mut counts = [0usize; 3];
         let mut moved = 0;
@@ -40,8 +45,14 @@ mod tests {
             }
         }
         for c in counts {
-            assert!((c as f64 - n as f64 / 3.0).abs() < n as f64 * 0.03, "{counts:?}");
+            assert!(
+                (c as f64 - n as f64 / 3.0).abs() < n as f64 * 0.03,
+                "{counts:?}"
+            );
         }
-        assert!((moved as f64 - n as f64 / 4.0).abs() < n as f64 * 0.03, "moved {moved}");
+        assert!(
+            (moved as f64 - n as f64 / 4.0).abs() < n as f64 * 0.03,
+            "moved {moved}"
+        );
     }
 }

@@ -34,7 +34,11 @@ pub struct Pool {
 #[derive(Debug, thiserror::Error)]
 pub enum PoolError {
     #[error("{addr} is marked down for {left_ms} ms more after: {why}")]
-    Down { addr: String, left_ms: u64, why: String },
+    Down {
+        addr: String,
+        left_ms: u64,
+        why: String,
+    },
     #[error("{addr}: no connection free within the op timeout")]
     Busy { addr: String },
     #[error("{addr}: {err}")]
@@ -46,14 +50,22 @@ impl Pool {
         Pool {
             addr,
             cfg,
-            state: Mutex::new(State { idle: Vec::new(), open: 0, down_until: None, backoff: BACKOFF_MIN }),
+            state: Mutex::new(State {
+                idle: Vec::new(),
+                open: 0,
+                down_until: None,
+                backoff: BACKOFF_MIN,
+            }),
             freed: Condvar::new(),
         }
     }
 
     /// Runs `f` on a pooled connection. On error the connection is closed and the server marked
     /// down; on success the connection returns to the pool.
-    pub fn with_conn<T>(&self, f: impl FnOnce(&mut Conn) -> Result<T, ConnError>) -> Result<T, PoolError> {
+    pub fn with_conn<T>(
+        &self,
+        f: impl FnOnce(&mut Conn) -> Result<T, ConnError>,
+    ) -> Result<T, PoolError> {
         let mut conn = self.acquire()?;
         match f(&mut conn) {
             Ok(v) => {
@@ -63,13 +75,20 @@ impl Pool {
             Err(err) => {
                 self.release(None);
                 self.mark_down(&err.to_string());
-                Err(PoolError::Conn { addr: self.addr.clone(), err })
+                Err(PoolError::Conn {
+                    addr: self.addr.clone(),
+                    err,
+                })
             }
         }
     }
 
     pub fn is_down(&self) -> bool {
-        self.state.lock().unwrap().down_until.is_some_and(|t| Instant::now() < t)
+        self.state
+            .lock()
+            .unwrap()
+            .down_until
+            .is_some_and(|t| Instant::now() < t)
     }
 
     fn acquire(&self) -> Result<Conn, PoolError> {
@@ -101,12 +120,17 @@ impl Pool {
                 return r.map_err(|err| {
                     self.release(None);
                     self.mark_down(&err.to_string());
-                    PoolError::Conn { addr: self.addr.clone(), err }
+                    PoolError::Conn {
+                        addr: self.addr.clone(),
+                        err,
+                    }
                 });
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(PoolError::Busy { addr: self.addr.clone() });
+                return Err(PoolError::Busy {
+                    addr: self.addr.clone(),
+                });
             }
             st = self.freed.wait_timeout(st, deadline - now).unwrap().0;
         }

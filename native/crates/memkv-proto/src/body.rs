@@ -65,8 +65,14 @@ impl<'a> Reader<'a> {
         Reader { buf, pos: 0 }
     }
     pub fn take(&mut self, n: usize) -> Result<&'a [u8]> {
-        let end = self.pos.checked_add(n).ok_or(ProtoError::Malformed("length overflow"))?;
-        let s = self.buf.get(self.pos..end).ok_or(ProtoError::Malformed("body ends early"))?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .ok_or(ProtoError::Malformed("length overflow"))?;
+        let s = self
+            .buf
+            .get(self.pos..end)
+            .ok_or(ProtoError::Malformed("body ends early"))?;
         self.pos = end;
         Ok(s)
     }
@@ -168,7 +174,9 @@ pub fn decode_exists(body: &[u8]) -> Result<(u32, Vec<&[u8]>)> {
 pub fn decode_key_lens(body: &[u8]) -> Result<Vec<(&[u8], u64)>> {
     let mut r = Reader::new(body);
     let n = r.count()?;
-    let v = (0..n).map(|_| Ok((r.key()?, r.u64()?))).collect::<Result<Vec<_>>>()?;
+    let v = (0..n)
+        .map(|_| Ok((r.key()?, r.u64()?)))
+        .collect::<Result<Vec<_>>>()?;
     r.finish()?;
     Ok(v)
 }
@@ -190,7 +198,9 @@ fn read_status(r: &mut Reader) -> Result<Status> {
 
 fn check_count(r: &mut Reader, expected: usize) -> Result<()> {
     if r.count()? != expected {
-        return Err(ProtoError::Malformed("reply count differs from request count"));
+        return Err(ProtoError::Malformed(
+            "reply count differs from request count",
+        ));
     }
     Ok(())
 }
@@ -198,7 +208,9 @@ fn check_count(r: &mut Reader, expected: usize) -> Result<()> {
 pub fn decode_statuses(body: &[u8], expected: usize) -> Result<Vec<Status>> {
     let mut r = Reader::new(body);
     check_count(&mut r, expected)?;
-    let v = (0..expected).map(|_| read_status(&mut r)).collect::<Result<Vec<_>>>()?;
+    let v = (0..expected)
+        .map(|_| read_status(&mut r))
+        .collect::<Result<Vec<_>>>()?;
     r.finish()?;
     Ok(v)
 }
@@ -232,7 +244,9 @@ pub struct HelloReply {
 impl HelloReply {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::with_capacity(1 + NONCE_LEN + 8);
-        w.u8(self.auth_required as u8).bytes(&self.nonce).u64(self.max_value_len);
+        w.u8(self.auth_required as u8)
+            .bytes(&self.nonce)
+            .u64(self.max_value_len);
         w.0
     }
     pub fn decode(body: &[u8]) -> Result<HelloReply> {
@@ -241,7 +255,11 @@ impl HelloReply {
         let nonce = r.take(NONCE_LEN)?.try_into().unwrap();
         let max_value_len = r.u64()?;
         r.finish()?;
-        Ok(HelloReply { auth_required, nonce, max_value_len })
+        Ok(HelloReply {
+            auth_required,
+            nonce,
+            max_value_len,
+        })
     }
 }
 
@@ -268,13 +286,19 @@ mod tests {
         let keys: Vec<&[u8]> = vec![b"a", b"model/abc/0001.bin"];
         let body = encode_key_lens(&keys, &[1, 1 << 40]);
         let got = decode_key_lens(&body).unwrap();
-        assert_eq!(got, vec![(&b"a"[..], 1), (&b"model/abc/0001.bin"[..], 1 << 40)]);
+        assert_eq!(
+            got,
+            vec![(&b"a"[..], 1), (&b"model/abc/0001.bin"[..], 1 << 40)]
+        );
     }
 
     #[test]
     fn exists_round_trip() {
         let body = encode_exists(5000, &[b"x".as_slice(), b"yy"]);
-        assert_eq!(decode_exists(&body).unwrap(), (5000, vec![&b"x"[..], &b"yy"[..]]));
+        assert_eq!(
+            decode_exists(&body).unwrap(),
+            (5000, vec![&b"x"[..], &b"yy"[..]])
+        );
     }
 
     #[test]
@@ -295,19 +319,31 @@ mod tests {
         w.u32(1).u16(0);
         assert!(decode_keys(&w.0).is_err(), "empty key must be refused");
         let mut w = Writer::default();
-        w.u32(1).u16((MAX_KEY_LEN + 1) as u16).bytes(&vec![b'a'; MAX_KEY_LEN + 1]);
+        w.u32(1)
+            .u16((MAX_KEY_LEN + 1) as u16)
+            .bytes(&vec![b'a'; MAX_KEY_LEN + 1]);
         assert!(decode_keys(&w.0).is_err(), "oversize key must be refused");
         let mut w = Writer::default();
         w.u32(u32::MAX);
-        assert!(matches!(decode_keys(&w.0), Err(ProtoError::BatchTooLarge(_))));
+        assert!(matches!(
+            decode_keys(&w.0),
+            Err(ProtoError::BatchTooLarge(_))
+        ));
     }
 
     #[test]
     fn hello_and_error_round_trip() {
-        let h = HelloReply { auth_required: true, nonce: [7; NONCE_LEN], max_value_len: 99 };
+        let h = HelloReply {
+            auth_required: true,
+            nonce: [7; NONCE_LEN],
+            max_value_len: 99,
+        };
         assert_eq!(HelloReply::decode(&h.encode()).unwrap(), h);
         let e = encode_error(ErrorCode::AuthFailed, "wrong key");
-        assert_eq!(decode_error(&e).unwrap(), (Some(ErrorCode::AuthFailed), "wrong key".into()));
+        assert_eq!(
+            decode_error(&e).unwrap(),
+            (Some(ErrorCode::AuthFailed), "wrong key".into())
+        );
     }
 
     proptest! {

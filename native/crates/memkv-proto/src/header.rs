@@ -87,7 +87,13 @@ pub struct Header {
 
 impl Header {
     pub fn new(opcode: Opcode, request_id: u64, body_len: usize, payload_len: u64) -> Header {
-        Header { opcode, flags: 0, request_id, body_len: body_len as u32, payload_len }
+        Header {
+            opcode,
+            flags: 0,
+            request_id,
+            body_len: body_len as u32,
+            payload_len,
+        }
     }
 
     pub fn encode(&self) -> [u8; HEADER_LEN] {
@@ -127,9 +133,17 @@ impl Header {
         }
         let payload_len = u64::from_le_bytes(b[24..32].try_into().unwrap());
         if payload_len != 0 && !opcode.has_payload() {
-            return Err(ProtoError::Malformed("payload on an opcode that takes none"));
+            return Err(ProtoError::Malformed(
+                "payload on an opcode that takes none",
+            ));
         }
-        Ok(Header { opcode, flags, request_id, body_len, payload_len })
+        Ok(Header {
+            opcode,
+            flags,
+            request_id,
+            body_len,
+            payload_len,
+        })
     }
 }
 
@@ -153,9 +167,15 @@ mod tests {
         b[2] = 9;
         assert_eq!(Header::decode(&b), Err(ProtoError::BadVersion(9)));
         let b = Header::new(Opcode::Ping, 1, 0, 5).encode();
-        assert!(Header::decode(&b).is_err(), "payload on PING must be refused");
+        assert!(
+            Header::decode(&b).is_err(),
+            "payload on PING must be refused"
+        );
         let b = Header::new(Opcode::Get, 1, (MAX_BODY_LEN + 1) as usize, 0).encode();
-        assert!(matches!(Header::decode(&b), Err(ProtoError::BodyTooLarge(_))));
+        assert!(matches!(
+            Header::decode(&b),
+            Err(ProtoError::BodyTooLarge(_))
+        ));
     }
 
     proptest! {

@@ -73,7 +73,10 @@ impl PyClient {
     #[pyo3(signature = (keys, lease_ms=0))]
     fn exists(&self, py: Python<'_>, keys: Vec<Vec<u8>>, lease_ms: u32) -> Vec<(u8, u64)> {
         let c = &self.inner;
-        py.detach(|| c.exists(&keys, lease_ms)).into_iter().map(|(s, n)| (s as u8, n)).collect()
+        py.detach(|| c.exists(&keys, lease_ms))
+            .into_iter()
+            .map(|(s, n)| (s as u8, n))
+            .collect()
     }
 
     fn delete(&self, py: Python<'_>, keys: Vec<Vec<u8>>) -> Vec<u8> {
@@ -82,7 +85,13 @@ impl PyClient {
     }
 
     /// Stores from caller memory. The caller keeps the memory alive for the call (it blocks).
-    fn put(&self, py: Python<'_>, keys: Vec<Vec<u8>>, ptrs: Vec<usize>, sizes: Vec<usize>) -> PyResult<Vec<u8>> {
+    fn put(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Vec<u8>>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> PyResult<Vec<u8>> {
         let b = bufs(&keys, &ptrs, &sizes)?;
         let c = &self.inner;
         // SAFETY: the Python caller holds the owning objects for the duration of this call.
@@ -90,7 +99,13 @@ impl PyClient {
     }
 
     /// Reads into caller memory. A buffer is written only when its key's status is 0.
-    fn get_into(&self, py: Python<'_>, keys: Vec<Vec<u8>>, ptrs: Vec<usize>, sizes: Vec<usize>) -> PyResult<Vec<u8>> {
+    fn get_into(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Vec<u8>>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> PyResult<Vec<u8>> {
         let b = bufs(&keys, &ptrs, &sizes)?;
         let c = &self.inner;
         // SAFETY: as for put; the wrapper checked the buffers are writable.
@@ -99,13 +114,23 @@ impl PyClient {
 
     #[pyo3(signature = (keys, lease_ms=0))]
     fn submit_exists(&self, keys: Vec<Vec<u8>>, lease_ms: u32) -> PyOp {
-        PyOp { op: self.inner.submit(move |c| OpResult::StatusLens(c.exists(&keys, lease_ms))) }
+        PyOp {
+            op: self
+                .inner
+                .submit(move |c| OpResult::StatusLens(c.exists(&keys, lease_ms))),
+        }
     }
 
     /// Like put, on the I/O threads. `owner` is kept alive until the transfer is over, even if
     /// the returned Op is dropped first.
     #[pyo3(signature = (keys, ptrs, sizes, owner=None))]
-    fn submit_put(&self, keys: Vec<Vec<u8>>, ptrs: Vec<usize>, sizes: Vec<usize>, owner: Option<Py<PyAny>>) -> PyResult<PyOp> {
+    fn submit_put(
+        &self,
+        keys: Vec<Vec<u8>>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        owner: Option<Py<PyAny>>,
+    ) -> PyResult<PyOp> {
         let b = bufs(&keys, &ptrs, &sizes)?;
         Ok(PyOp {
             op: self.inner.submit(move |c| {
@@ -118,7 +143,13 @@ impl PyClient {
     }
 
     #[pyo3(signature = (keys, ptrs, sizes, owner=None))]
-    fn submit_get_into(&self, keys: Vec<Vec<u8>>, ptrs: Vec<usize>, sizes: Vec<usize>, owner: Option<Py<PyAny>>) -> PyResult<PyOp> {
+    fn submit_get_into(
+        &self,
+        keys: Vec<Vec<u8>>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        owner: Option<Py<PyAny>>,
+    ) -> PyResult<PyOp> {
         let b = bufs(&keys, &ptrs, &sizes)?;
         Ok(PyOp {
             op: self.inner.submit(move |c| {

@@ -25,7 +25,10 @@ impl Region {
     /// requested where the kernel supports them.
     pub fn new(len: usize) -> std::io::Result<Region> {
         if len == 0 {
-            return Ok(Region { base: std::ptr::NonNull::dangling().as_ptr(), len: 0 });
+            return Ok(Region {
+                base: std::ptr::NonNull::dangling().as_ptr(),
+                len: 0,
+            });
         }
         // SAFETY: a fresh anonymous mapping; arguments are valid and the result is checked.
         let p = unsafe {
@@ -43,7 +46,10 @@ impl Region {
         }
         // SAFETY: advice on our own mapping; failure is harmless (no THP on this kernel).
         unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
-        Ok(Region { base: p as *mut u8, len })
+        Ok(Region {
+            base: p as *mut u8,
+            len,
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -85,7 +91,10 @@ impl LaneMemory {
         if usable > 0 {
             spans.insert(0, usable);
         }
-        Ok(Arc::new(LaneMemory { region, free: Mutex::new(FreeList { spans, used: 0 }) }))
+        Ok(Arc::new(LaneMemory {
+            region,
+            free: Mutex::new(FreeList { spans, used: 0 }),
+        }))
     }
 
     pub fn capacity(&self) -> u64 {
@@ -106,7 +115,12 @@ impl LaneMemory {
             fl.spans.insert(off + need, flen - need);
         }
         fl.used += need;
-        Some(Span { mem: self.clone(), off, len, cap: need })
+        Some(Span {
+            mem: self.clone(),
+            off,
+            len,
+            cap: need,
+        })
     }
 
     fn release(&self, off: u64, cap: u64) {
@@ -149,7 +163,10 @@ impl Span {
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: [off, off+len) lies inside the region and belongs to this span alone.
         unsafe {
-            std::slice::from_raw_parts(self.mem.region.base.add(self.off as usize), self.len as usize)
+            std::slice::from_raw_parts(
+                self.mem.region.base.add(self.off as usize),
+                self.len as usize,
+            )
         }
     }
 
@@ -164,6 +181,16 @@ impl Span {
                 self.len as usize,
             )
         }
+    }
+}
+
+#[cfg(test)]
+impl Span {
+    /// Flips a byte in place, to simulate memory corruption in tests.
+    pub fn corrupt_for_test(&self, i: usize) {
+        assert!((i as u64) < self.len);
+        // SAFETY: test-only; no reader is active in the tests that call this.
+        unsafe { *self.mem.region.base.add(self.off as usize + i) ^= 0xFF };
     }
 }
 

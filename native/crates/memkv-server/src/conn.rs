@@ -10,7 +10,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use memkv_proto::{self as proto, ErrorCode, Header, HelloReply, Opcode, ProtoError, Status, HEADER_LEN};
+use memkv_proto::{
+    self as proto, ErrorCode, Header, HelloReply, Opcode, ProtoError, Status, HEADER_LEN,
+};
 
 use crate::lane::Value;
 use crate::store::Store;
@@ -56,7 +58,10 @@ struct Conn<'a> {
 }
 
 pub fn serve(stream: TcpStream, ctx: &ConnCtx) {
-    let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+    let peer = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(POLL));
     let _ = stream.set_write_timeout(Some(ctx.frame_timeout));
@@ -83,11 +88,20 @@ pub fn serve(stream: TcpStream, ctx: &ConnCtx) {
                 ErrorCode::TooLarge => "too_large",
                 _ => "malformed",
             });
-            let _ = c.send(Opcode::Error, 0, &proto::encode_error(e.code(), &e.to_string()), &[]);
+            let _ = c.send(
+                Opcode::Error,
+                0,
+                &proto::encode_error(e.code(), &e.to_string()),
+                &[],
+            );
         }
         End::Refused(code, msg) => {
             tracing::warn!(%peer, %msg, "request refused; closing connection");
-            m.error(if code == ErrorCode::AuthFailed { "auth_failed" } else { "unauthenticated" });
+            m.error(if code == ErrorCode::AuthFailed {
+                "auth_failed"
+            } else {
+                "unauthenticated"
+            });
             let _ = c.send(Opcode::Error, 0, &proto::encode_error(code, &msg), &[]);
         }
     }
@@ -113,7 +127,11 @@ impl Conn<'_> {
             if let Err(e) = self.read_full(&mut body, false) {
                 return e.into();
             }
-            self.ctx.store.metrics.requests.fetch_add(1, Ordering::Relaxed);
+            self.ctx
+                .store
+                .metrics
+                .requests
+                .fetch_add(1, Ordering::Relaxed);
             if let Err(end) = self.handle(&h, &body) {
                 return end;
             }
@@ -126,7 +144,8 @@ impl Conn<'_> {
         match h.opcode {
             Opcode::Hello => {
                 let mut nonce = [0u8; proto::NONCE_LEN];
-                getrandom::fill(&mut nonce).map_err(|e| End::Io(io::Error::other(e.to_string())))?;
+                getrandom::fill(&mut nonce)
+                    .map_err(|e| End::Io(io::Error::other(e.to_string())))?;
                 self.nonce = Some(nonce);
                 self.greeted = true;
                 let reply = HelloReply {
@@ -138,7 +157,10 @@ impl Conn<'_> {
             }
             Opcode::Auth => {
                 let (Some(key), Some(nonce)) = (&self.ctx.auth_key, self.nonce) else {
-                    return Err(End::Refused(ErrorCode::Malformed, "AUTH without a challenge".into()));
+                    return Err(End::Refused(
+                        ErrorCode::Malformed,
+                        "AUTH without a challenge".into(),
+                    ));
                 };
                 if !proto::auth_verify(key, &nonce, body) {
                     return Err(End::Refused(ErrorCode::AuthFailed, "wrong auth key".into()));
@@ -147,7 +169,11 @@ impl Conn<'_> {
                 return self.reply(h, &[], &[]);
             }
             _ if !self.greeted || !self.authed => {
-                let why = if self.greeted { "authenticate first" } else { "send HELLO first" };
+                let why = if self.greeted {
+                    "authenticate first"
+                } else {
+                    "send HELLO first"
+                };
                 return Err(End::Refused(ErrorCode::Unauthenticated, why.into()));
             }
             _ => {}
@@ -175,7 +201,10 @@ impl Conn<'_> {
             Opcode::Delete => {
                 let keys = proto::decode_keys(body)?;
                 let st: Vec<Status> = keys.iter().map(|k| store.delete(k)).collect();
-                m.deletes.fetch_add(st.iter().filter(|s| s.is_ok()).count() as u64, Ordering::Relaxed);
+                m.deletes.fetch_add(
+                    st.iter().filter(|s| s.is_ok()).count() as u64,
+                    Ordering::Relaxed,
+                );
                 self.reply(h, &proto::encode_statuses(&st), &[])
             }
             Opcode::Put => self.put(h, body),
@@ -191,7 +220,9 @@ impl Conn<'_> {
         let items = proto::decode_key_lens(body)?;
         let total = items.iter().try_fold(0u64, |a, (_, n)| a.checked_add(*n));
         if total != Some(h.payload_len) {
-            return Err(ProtoError::Malformed("PUT payload length differs from its key table").into());
+            return Err(
+                ProtoError::Malformed("PUT payload length differs from its key table").into(),
+            );
         }
         let store = &*self.ctx.store;
         let mut st = Vec::with_capacity(items.len());
@@ -206,7 +237,11 @@ impl Conn<'_> {
                     st.push(Status::Ok);
                 }
                 Err(s) => {
-                    store.metrics.error(if s == Status::TooLarge { "too_large" } else { "no_space" });
+                    store.metrics.error(if s == Status::TooLarge {
+                        "too_large"
+                    } else {
+                        "no_space"
+                    });
                     self.discard(len)?;
                     st.push(s);
                 }
@@ -248,7 +283,8 @@ impl Conn<'_> {
     }
 
     fn reply(&mut self, h: &Header, body: &[u8], payload: &[&[u8]]) -> Result<(), End> {
-        self.send(h.opcode.reply(), h.request_id, body, payload).map_err(End::Io)
+        self.send(h.opcode.reply(), h.request_id, body, payload)
+            .map_err(End::Io)
     }
 
     fn send(&mut self, op: Opcode, id: u64, body: &[u8], payload: &[&[u8]]) -> io::Result<()> {
@@ -275,7 +311,12 @@ impl Conn<'_> {
                     done += n;
                     deadline.get_or_insert_with(|| Instant::now() + self.ctx.frame_timeout);
                 }
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
                     match deadline {
                         None if self.ctx.shutdown.load(Ordering::Relaxed) => return Ok(false),
                         Some(d) if Instant::now() > d => {
@@ -306,7 +347,11 @@ impl Conn<'_> {
 
 /// `write_all` over several slices with vectored writes (header, body and values in one go).
 pub fn write_all_parts(w: &mut impl Write, parts: &[&[u8]]) -> io::Result<()> {
-    let mut slices: Vec<IoSlice> = parts.iter().filter(|p| !p.is_empty()).map(|p| IoSlice::new(p)).collect();
+    let mut slices: Vec<IoSlice> = parts
+        .iter()
+        .filter(|p| !p.is_empty())
+        .map(|p| IoSlice::new(p))
+        .collect();
     let mut rest = &mut slices[..];
     while !rest.is_empty() {
         // Linux takes at most IOV_MAX (1024) slices per call.

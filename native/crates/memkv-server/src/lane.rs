@@ -6,8 +6,8 @@
 //! ghost list so that a quick re-put goes straight to main. Only committed values that are neither
 //! leased nor being transferred (span shared with a reader) are evicted.
 
-use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -119,7 +119,10 @@ impl Lane {
 
     /// Makes a filled reservation visible under `key`, replacing any older value.
     pub fn commit(&self, key: &[u8], res: Reservation, checksum: u64) {
-        let value = Arc::new(Value { span: res.span, checksum });
+        let value = Arc::new(Value {
+            span: res.span,
+            checksum,
+        });
         let key: Key = Arc::from(key);
         let mut guard = self.inner.lock().unwrap();
         let inner = &mut *guard;
@@ -135,7 +138,16 @@ impl Lane {
             inner.small.push_back((key.clone(), gen));
             inner.small_bytes += len;
         }
-        inner.index.insert(key, Entry { value, gen, freq: 0, in_main, lease_until: None });
+        inner.index.insert(
+            key,
+            Entry {
+                value,
+                gen,
+                freq: 0,
+                in_main,
+                lease_until: None,
+            },
+        );
     }
 
     /// EXISTS: the status and value length; with `lease` > 0 a hit is protected from eviction
@@ -185,7 +197,11 @@ impl Lane {
     /// Drops `key` if it still holds `value` (used after a checksum mismatch).
     pub fn drop_if_same(&self, key: &[u8], value: &Arc<Value>) {
         let mut inner = self.inner.lock().unwrap();
-        if inner.index.get(key).is_some_and(|e| Arc::ptr_eq(&e.value, value)) {
+        if inner
+            .index
+            .get(key)
+            .is_some_and(|e| Arc::ptr_eq(&e.value, value))
+        {
             self.remove_locked(&mut inner, key);
         }
     }
@@ -236,13 +252,19 @@ impl Lane {
         let mut budget = 6 * (inner.small.len() + inner.main.len()) + 1;
         while budget > 0 {
             budget -= 1;
-            let from_small =
-                !inner.small.is_empty() && (inner.small_bytes > small_target || inner.main.is_empty());
-            let popped = if from_small { inner.small.pop_front() } else { inner.main.pop_front() };
+            let from_small = !inner.small.is_empty()
+                && (inner.small_bytes > small_target || inner.main.is_empty());
+            let popped = if from_small {
+                inner.small.pop_front()
+            } else {
+                inner.main.pop_front()
+            };
             let Some((key, gen)) = popped else {
                 return false;
             };
-            let Some(e) = inner.index.get_mut(&key) else { continue };
+            let Some(e) = inner.index.get_mut(&key) else {
+                continue;
+            };
             if e.gen != gen {
                 continue;
             }
@@ -281,7 +303,8 @@ impl Lane {
                     }
                 }
             }
-            self.evictions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.evictions
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return true;
         }
         false
@@ -289,11 +312,15 @@ impl Lane {
 }
 
 fn ghost_hash(key: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64_with_seed(key, 0x6768_6f73_74)
+    xxhash_rust::xxh3::xxh3_64_with_seed(key, 0x67_686f_7374)
 }
 
 fn expire_leases(inner: &mut Inner, now: Instant) {
-    while inner.leases.peek().is_some_and(|Reverse((until, _, _))| *until <= now) {
+    while inner
+        .leases
+        .peek()
+        .is_some_and(|Reverse((until, _, _))| *until <= now)
+    {
         let Reverse((until, gen, key)) = inner.leases.pop().unwrap();
         // Stale heap items (lease extended, released, or value replaced) are skipped.
         if let Some(e) = inner.index.get_mut(&key) {
@@ -338,7 +365,10 @@ mod tests {
         assert_eq!(put(&l, "new1", 1024), Status::Ok);
         assert_eq!(put(&l, "new2", 1024), Status::Ok);
         assert!(has(&l, "k0") && has(&l, "k1"), "read values must survive");
-        assert!(!has(&l, "k2") && !has(&l, "k3"), "oldest unread values go first");
+        assert!(
+            !has(&l, "k2") && !has(&l, "k3"),
+            "oldest unread values go first"
+        );
         assert_eq!(l.stats().evictions, 2);
     }
 

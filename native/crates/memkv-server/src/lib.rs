@@ -17,9 +17,13 @@ pub use server::{Server, ServerConfig};
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let lower = t.to_ascii_lowercase();
-    let digits_end = lower.find(|c: char| !c.is_ascii_digit()).unwrap_or(lower.len());
+    let digits_end = lower
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(lower.len());
     let (num, unit) = lower.split_at(digits_end);
-    let n: u64 = num.parse().map_err(|_| format!("invalid size {s:?}: expected e.g. 512M, 4G"))?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("invalid size {s:?}: expected e.g. 512M, 4G"))?;
     let mult: u64 = match unit.trim() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
@@ -28,16 +32,22 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "t" | "tb" | "tib" => 1 << 40,
         _ => return Err(format!("invalid size unit in {s:?}: use K, M, G or T")),
     };
-    n.checked_mul(mult).ok_or_else(|| format!("size {s:?} overflows"))
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} overflows"))
 }
 
 /// Parses a 64-hex-character auth key into its 32 bytes.
 pub fn parse_auth_key(hex_key: &str) -> Result<Vec<u8>, String> {
     let h = hex_key.trim();
     if h.len() != 64 || !h.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(format!("auth key must be 64 hex characters (32 bytes), got {} characters", h.len()));
+        return Err(format!(
+            "auth key must be 64 hex characters (32 bytes), got {} characters",
+            h.len()
+        ));
     }
-    Ok((0..32).map(|i| u8::from_str_radix(&h[2 * i..2 * i + 2], 16).unwrap()).collect())
+    Ok((0..32)
+        .map(|i| u8::from_str_radix(&h[2 * i..2 * i + 2], 16).unwrap())
+        .collect())
 }
 
 #[cfg(test)]

@@ -44,24 +44,63 @@ impl Metrics {
     }
 
     pub fn errors(&self, kind: &str) -> u64 {
-        ERROR_KINDS.iter().position(|k| *k == kind).map_or(0, |i| self.errors[i].load(Relaxed))
+        ERROR_KINDS
+            .iter()
+            .position(|k| *k == kind)
+            .map_or(0, |i| self.errors[i].load(Relaxed))
     }
 
     fn counters(&self) -> [(&'static str, &'static str, u64); 13] {
         [
             ("hits", "GET keys served", self.hits.load(Relaxed)),
-            ("misses", "GET keys not served (absent, length mismatch, corrupt)", self.misses.load(Relaxed)),
-            ("exists_hits", "EXISTS keys found", self.exists_hits.load(Relaxed)),
-            ("exists_misses", "EXISTS keys not found", self.exists_misses.load(Relaxed)),
+            (
+                "misses",
+                "GET keys not served (absent, length mismatch, corrupt)",
+                self.misses.load(Relaxed),
+            ),
+            (
+                "exists_hits",
+                "EXISTS keys found",
+                self.exists_hits.load(Relaxed),
+            ),
+            (
+                "exists_misses",
+                "EXISTS keys not found",
+                self.exists_misses.load(Relaxed),
+            ),
             ("puts", "values committed", self.puts.load(Relaxed)),
             ("deletes", "values deleted", self.deletes.load(Relaxed)),
-            ("bytes_in", "value bytes received", self.bytes_in.load(Relaxed)),
-            ("bytes_out", "value bytes sent", self.bytes_out.load(Relaxed)),
-            ("leases_granted", "leases granted by EXISTS", self.leases_granted.load(Relaxed)),
-            ("leases_denied", "EXISTS hits not leased (leased-bytes bound)", self.leases_denied.load(Relaxed)),
-            ("connections_total", "connections accepted", self.connections_total.load(Relaxed)),
+            (
+                "bytes_in",
+                "value bytes received",
+                self.bytes_in.load(Relaxed),
+            ),
+            (
+                "bytes_out",
+                "value bytes sent",
+                self.bytes_out.load(Relaxed),
+            ),
+            (
+                "leases_granted",
+                "leases granted by EXISTS",
+                self.leases_granted.load(Relaxed),
+            ),
+            (
+                "leases_denied",
+                "EXISTS hits not leased (leased-bytes bound)",
+                self.leases_denied.load(Relaxed),
+            ),
+            (
+                "connections_total",
+                "connections accepted",
+                self.connections_total.load(Relaxed),
+            ),
             ("requests", "frames handled", self.requests.load(Relaxed)),
-            ("connections", "open connections", self.connections.load(Relaxed)),
+            (
+                "connections",
+                "open connections",
+                self.connections.load(Relaxed),
+            ),
         ]
     }
 
@@ -71,8 +110,10 @@ impl Metrics {
         for (name, _, v) in self.counters() {
             m.insert(name.into(), v.into());
         }
-        let errors: serde_json::Map<_, _> =
-            ERROR_KINDS.iter().map(|k| (k.to_string(), self.errors(k).into())).collect();
+        let errors: serde_json::Map<_, _> = ERROR_KINDS
+            .iter()
+            .map(|k| (k.to_string(), self.errors(k).into()))
+            .collect();
         m.insert("errors".into(), errors.into());
         m.insert("evictions".into(), lanes.evictions.into());
         m.insert("items".into(), lanes.items.into());
@@ -93,16 +134,39 @@ impl Metrics {
             };
             let _ = writeln!(s, "# HELP {full} {help}\n# TYPE {full} {kind}\n{full} {v}");
         }
-        let _ = writeln!(s, "# HELP memkv_errors_total errors by kind\n# TYPE memkv_errors_total counter");
+        let _ = writeln!(
+            s,
+            "# HELP memkv_errors_total errors by kind\n# TYPE memkv_errors_total counter"
+        );
         for k in ERROR_KINDS {
             let _ = writeln!(s, "memkv_errors_total{{kind=\"{k}\"}} {}", self.errors(k));
         }
         for (name, help, kind, v) in [
-            ("memkv_evictions_total", "values evicted", "counter", lanes.evictions),
+            (
+                "memkv_evictions_total",
+                "values evicted",
+                "counter",
+                lanes.evictions,
+            ),
             ("memkv_items", "values stored", "gauge", lanes.items),
-            ("memkv_memory_used_bytes", "value memory in use", "gauge", lanes.used_bytes),
-            ("memkv_memory_capacity_bytes", "value memory reserved", "gauge", lanes.capacity_bytes),
-            ("memkv_leased_bytes", "bytes under lease", "gauge", lanes.leased_bytes),
+            (
+                "memkv_memory_used_bytes",
+                "value memory in use",
+                "gauge",
+                lanes.used_bytes,
+            ),
+            (
+                "memkv_memory_capacity_bytes",
+                "value memory reserved",
+                "gauge",
+                lanes.capacity_bytes,
+            ),
+            (
+                "memkv_leased_bytes",
+                "bytes under lease",
+                "gauge",
+                lanes.leased_bytes,
+            ),
         ] {
             let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
         }

@@ -77,7 +77,8 @@ impl Server {
         );
         let mut metrics_addr = None;
         if let Some(m) = &cfg.metrics_listen {
-            let http = tiny_http::Server::http(m).map_err(|e| io::Error::other(format!("metrics listener {m}: {e}")))?;
+            let http = tiny_http::Server::http(m)
+                .map_err(|e| io::Error::other(format!("metrics listener {m}: {e}")))?;
             metrics_addr = http.server_addr().to_ip();
             let (store, stop) = (store.clone(), shutdown.clone());
             threads.push(
@@ -95,7 +96,14 @@ impl Server {
             metrics = %metrics_addr.map_or("off".to_string(), |a| a.to_string()),
             "memkv serving"
         );
-        Ok(Server { addr, metrics_addr, store, shutdown, threads, drain_timeout: cfg.drain_timeout })
+        Ok(Server {
+            addr,
+            metrics_addr,
+            store,
+            shutdown,
+            threads,
+            drain_timeout: cfg.drain_timeout,
+        })
     }
 
     /// The flag that stops the server (set it from a signal handler).
@@ -114,7 +122,8 @@ impl Server {
             let _ = t.join();
         }
         let deadline = Instant::now() + self.drain_timeout;
-        while self.store.metrics.connections.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+        while self.store.metrics.connections.load(Ordering::SeqCst) > 0 && Instant::now() < deadline
+        {
             std::thread::sleep(Duration::from_millis(20));
         }
         tracing::info!(
@@ -127,7 +136,11 @@ impl Server {
 fn accept_loop(listener: TcpListener, ctx: Arc<ConnCtx>, max_conn: usize) {
     let fd = listener.as_raw_fd();
     while !ctx.shutdown.load(Ordering::Relaxed) {
-        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
         // SAFETY: one valid pollfd for the listener we own, for the duration of the call.
         let r = unsafe { libc::poll(&mut pfd, 1, 200) };
         if r <= 0 {
@@ -152,10 +165,12 @@ fn accept_loop(listener: TcpListener, ctx: Arc<ConnCtx>, max_conn: usize) {
         m.connections.fetch_add(1, Ordering::SeqCst);
         m.connections_total.fetch_add(1, Ordering::Relaxed);
         let ctx = ctx.clone();
-        let spawned = std::thread::Builder::new().name("memkv-conn".into()).spawn(move || {
-            conn::serve(stream, &ctx);
-            ctx.store.metrics.connections.fetch_sub(1, Ordering::SeqCst);
-        });
+        let spawned = std::thread::Builder::new()
+            .name("memkv-conn".into())
+            .spawn(move || {
+                conn::serve(stream, &ctx);
+                ctx.store.metrics.connections.fetch_sub(1, Ordering::SeqCst);
+            });
         if let Err(e) = spawned {
             tracing::error!(error = %e, "cannot start a connection thread");
             m.connections.fetch_sub(1, Ordering::SeqCst);
@@ -172,10 +187,13 @@ fn refuse(mut stream: TcpStream, msg: &str) {
 
 fn metrics_loop(http: tiny_http::Server, store: Arc<Store>, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::Relaxed) {
-        let Ok(Some(req)) = http.recv_timeout(Duration::from_millis(200)) else { continue };
+        let Ok(Some(req)) = http.recv_timeout(Duration::from_millis(200)) else {
+            continue;
+        };
         let resp = if req.url() == "/metrics" {
             let text = store.metrics.to_prometheus(&store.lane_stats());
-            let ct = tiny_http::Header::from_bytes("Content-Type", "text/plain; version=0.0.4").unwrap();
+            let ct =
+                tiny_http::Header::from_bytes("Content-Type", "text/plain; version=0.0.4").unwrap();
             tiny_http::Response::from_string(text).with_header(ct)
         } else {
             tiny_http::Response::from_string("see /metrics\n").with_status_code(404)

@@ -23,7 +23,11 @@ impl Store {
             .map(|_| Lane::new(per_lane, max_leased_fraction))
             .collect::<std::io::Result<Vec<_>>>()?;
         let max_value_len = lanes[0].capacity();
-        Ok(Store { lanes, max_value_len, metrics: Metrics::default() })
+        Ok(Store {
+            lanes,
+            max_value_len,
+            metrics: Metrics::default(),
+        })
     }
 
     fn lane(&self, key: &[u8]) -> &Lane {
@@ -74,16 +78,46 @@ impl Store {
     }
 
     pub fn lane_stats(&self) -> LaneStats {
-        self.lanes.iter().map(|l| l.stats()).fold(LaneStats::default(), |a, b| LaneStats {
-            items: a.items + b.items,
-            used_bytes: a.used_bytes + b.used_bytes,
-            capacity_bytes: a.capacity_bytes + b.capacity_bytes,
-            leased_bytes: a.leased_bytes + b.leased_bytes,
-            evictions: a.evictions + b.evictions,
-        })
+        self.lanes
+            .iter()
+            .map(|l| l.stats())
+            .fold(LaneStats::default(), |a, b| LaneStats {
+                items: a.items + b.items,
+                used_bytes: a.used_bytes + b.used_bytes,
+                capacity_bytes: a.capacity_bytes + b.capacity_bytes,
+                leased_bytes: a.leased_bytes + b.leased_bytes,
+                evictions: a.evictions + b.evictions,
+            })
     }
 
     pub fn stats_json(&self) -> String {
         self.metrics.to_json(&self.lane_stats(), self.lanes.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn corrupt_values_are_dropped_not_served() {
+        let s = Store::new(1 << 20, 2, 0.5).unwrap();
+        let mut r = s.reserve(b"k", 100).unwrap();
+        r.span.as_mut_slice().fill(7);
+        let sum = memkv_proto::checksum(r.span.as_slice());
+        s.commit(b"k", r, sum);
+        let Ok(v) = s.fetch_verified(b"k") else {
+            panic!("intact value must be served")
+        };
+        v.span.corrupt_for_test(42);
+        drop(v);
+        assert_eq!(s.fetch_verified(b"k").err(), Some(Status::Corrupt));
+        assert_eq!(
+            s.fetch_verified(b"k").err(),
+            Some(Status::NotFound),
+            "dropped after mismatch"
+        );
+        assert_eq!(s.metrics.errors("corrupt"), 1);
+        assert_eq!(s.lane_stats().used_bytes, 0);
     }
 }

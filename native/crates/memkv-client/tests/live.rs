@@ -1,0 +1,202 @@
+//! Client and server together, in-process on loopback: round trips, auth, failures, and a fuzz
+//! campaign of arbitrary byte streams against a live server (bounded by PROPTEST_CASES).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use memkv_client::{Buf, Client, ClientConfig, Status};
+use memkv_proto::{encode_key_lens, Header, Opcode};
+use memkv_server::{Server, ServerConfig};
+use proptest::prelude::*;
+
+fn server(memory: u64, auth: Option<Vec<u8>>) -> Server {
+    Server::start(ServerConfig {
+        listen: "127.0.0.1:0".into(),
+        memory,
+        lanes: 2,
+        auth_key: auth,
+        frame_timeout: Duration::from_secs(2),
+        ..ServerConfig::default()
+    })
+    .unwrap()
+}
+
+fn client(servers: &[&Server], auth: Option<Vec<u8>>) -> Arc<Client> {
+    Client::new(ClientConfig {
+        servers: servers.iter().map(|s| s.addr.to_string()).collect(),
+        auth_key: auth,
+        op_timeout: Duration::from_secs(3),
+        ..ClientConfig::default()
+    })
+    .unwrap()
+}
+
+fn put(c: &Client, key: &[u8], val: &[u8]) -> Status {
+    let b = Buf {
+        ptr: val.as_ptr() as usize,
+        len: val.len(),
+    };
+    // SAFETY: `val` outlives the blocking call.
+    unsafe { c.put(&[key.to_vec()], &[b])[0] }
+}
+
+fn get(c: &Client, key: &[u8], len: usize) -> (Status, Vec<u8>) {
+    let mut v = vec![0u8; len];
+    let b = Buf {
+        ptr: v.as_mut_ptr() as usize,
+        len,
+    };
+    // SAFETY: `v` outlives the blocking call and is not touched meanwhile.
+    let s = unsafe { c.get(&[key.to_vec()], &[b])[0] };
+    (s, v)
+}
+
+#[test]
+fn round_trip_over_two_servers() {
+    let (a, b) = (server(64 << 20, None), server(64 << 20, None));
+    let c = client(&[&a, &b], None);
+    for i in 0..100u32 {
+        let val: Vec<u8> = (0..(1000 + i)).map(|j| (i ^ j) as u8).collect();
+        assert_eq!(put(&c, &i.to_le_bytes(), &val), Status::Ok);
+    }
+    for i in 0..100u32 {
+        let (s, v) = get(&c, &i.to_le_bytes(), 1000 + i as usize);
+        assert_eq!(s, Status::Ok);
+        assert!(v
+            .iter()
+            .enumerate()
+            .all(|(j, &x)| x == (i ^ j as u32) as u8));
+    }
+    let items: Vec<u64> = [&a, &b]
+        .iter()
+        .map(|s| s.store.lane_stats().items)
+        .collect();
+    assert!(items.iter().all(|&n| n > 20), "{items:?}");
+}
+
+#[test]
+fn auth_is_enforced() {
+    let key = vec![9u8; 32];
+    let s = server(16 << 20, Some(key.clone()));
+    assert_eq!(
+        put(&client(&[&s], Some(key.clone())), b"k", b"v"),
+        Status::Ok
+    );
+    assert_eq!(
+        put(&client(&[&s], Some(vec![1u8; 32])), b"k", b"x"),
+        Status::Unavailable
+    );
+    assert_eq!(put(&client(&[&s], None), b"k", b"x"), Status::Unavailable);
+    assert_eq!(
+        get(&client(&[&s], Some(key)), b"k", 1),
+        (Status::Ok, b"v".to_vec())
+    );
+    assert_eq!(s.store.metrics.errors("auth_failed"), 1);
+}
+
+#[test]
+fn down_server_gives_fast_misses() {
+    let s = server(16 << 20, None);
+    let addr = s.addr.to_string();
+    s.shutdown();
+    s.wait();
+    let c = Client::new(ClientConfig {
+        servers: vec![addr],
+        connect_timeout: Duration::from_millis(500),
+        op_timeout: Duration::from_secs(2),
+        ..ClientConfig::default()
+    })
+    .unwrap();
+    let t = Instant::now();
+    for _ in 0..50 {
+        assert_eq!(c.exists(&[b"k".to_vec()], 0)[0].0, Status::Unavailable);
+    }
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+}
+
+#[test]
+fn stalled_frame_is_dropped_after_the_frame_timeout() {
+    let s = server(16 << 20, None);
+    let mut raw = TcpStream::connect(s.addr).unwrap();
+    raw.write_all(&Header::new(Opcode::Hello, 1, 0, 0).encode())
+        .unwrap();
+    let mut buf = [0u8; 73];
+    raw.read_exact(&mut buf).unwrap();
+    let body = encode_key_lens(&[b"slow".as_slice()], &[100]);
+    raw.write_all(&Header::new(Opcode::Put, 2, body.len(), 100).encode())
+        .unwrap();
+    raw.write_all(&body).unwrap();
+    raw.write_all(&[1u8; 10]).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let t = Instant::now();
+    assert_eq!(
+        raw.read(&mut buf).unwrap_or(0),
+        0,
+        "server must close a stalled frame"
+    );
+    assert!(t.elapsed() < Duration::from_secs(6));
+    assert_eq!(get(&client(&[&s], None), b"slow", 100).0, Status::NotFound);
+}
+
+fn fuzz_server() -> &'static (Server, Arc<Client>) {
+    static S: std::sync::OnceLock<(Server, Arc<Client>)> = std::sync::OnceLock::new();
+    S.get_or_init(|| {
+        let s = server(32 << 20, None);
+        let c = client(&[&s], None);
+        assert_eq!(put(&c, b"canary", b"the stored bytes"), Status::Ok);
+        (s, c)
+    })
+}
+
+/// A valid HELLO, then either noise or a well-formed header with a random opcode and lengths
+/// followed by noise.
+fn stream() -> impl Strategy<Value = Vec<u8>> {
+    let noise = proptest::collection::vec(any::<u8>(), 0..600);
+    prop_oneof![
+        noise.clone(),
+        (1u8..=9, 0u32..700, 0u64..2000, noise.clone()).prop_map(|(op, bl, pl, tail)| {
+            let mut h = Header::new(Opcode::Ping, 7, bl as usize, pl)
+                .encode()
+                .to_vec();
+            h[3] = op;
+            h.extend(tail);
+            h
+        }),
+        (
+            proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..40), 0..5),
+            noise
+        )
+            .prop_map(|(keys, tail)| {
+                let lens: Vec<u64> = keys.iter().map(|k| k.len() as u64).collect();
+                let body = encode_key_lens(&keys, &lens);
+                let mut h = Header::new(Opcode::Get, 3, body.len(), 0).encode().to_vec();
+                h.extend(body);
+                h.extend(tail);
+                h
+            }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Whatever arrives, the server stays up and keeps serving exactly the stored bytes.
+    #[test]
+    fn fuzz_live_server_with_arbitrary_streams(greet in any::<bool>(), bytes in stream()) {
+        let (s, c) = fuzz_server();
+        let mut raw = TcpStream::connect(s.addr).unwrap();
+        raw.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+        if greet {
+            raw.write_all(&Header::new(Opcode::Hello, 1, 0, 0).encode()).unwrap();
+        }
+        let _ = raw.write_all(&bytes);
+        let mut sink = [0u8; 4096];
+        let _ = raw.read(&mut sink);
+        drop(raw);
+        let (st, v) = get(c, b"canary", 16);
+        prop_assert_eq!(st, Status::Ok);
+        prop_assert_eq!(&v[..], b"the stored bytes");
+    }
+}
