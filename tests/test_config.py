@@ -98,6 +98,21 @@ def test_docs_list_every_setting() -> None:
             assert f"`{env_name(key)}`" in text, f"{doc} does not document {env_name(key)}"
 
 
+@pytest.mark.parametrize("doc", ["docs/config.md", "README.md"])
+def test_docs_state_the_real_defaults(doc: str) -> None:
+    text = (Path(__file__).resolve().parent.parent / doc).read_text()
+    rows = {
+        line.split("|")[1].strip(): line
+        for line in text.splitlines()
+        if line.startswith("| `") and line.count("|") >= 4
+    }
+    for a in attrs.fields(MemKVConfig):
+        if a.name not in CONFIG_KEYS or a.default in (None, ()):
+            continue
+        shown = ",".join(a.default) if isinstance(a.default, tuple) else a.default
+        assert f"`{shown}`" in rows[f"`{a.name}`"], f"{doc}: default of {a.name} is {shown}"
+
+
 def test_immutable_and_slotted() -> None:
     c = MemKVConfig()
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
