@@ -14,8 +14,13 @@ use memkv_proto::{
     self as proto, ErrorCode, Header, HelloReply, Opcode, ProtoError, Status, HEADER_LEN,
 };
 
+use xxhash_rust::xxh3::Xxh3;
+
 use crate::lane::Value;
 use crate::store::Store;
+
+/// PUT values are received and checksummed in pieces of this size.
+const CHECKSUM_CHUNK: usize = 1 << 20;
 
 /// How often a blocked read wakes up to look at the shutdown flag.
 const POLL: Duration = Duration::from_millis(200);
@@ -229,9 +234,13 @@ impl Conn<'_> {
         for (key, len) in items {
             match store.reserve(key, len) {
                 Ok(mut res) => {
-                    self.read_full(res.span.as_mut_slice(), false)?;
-                    let sum = proto::checksum(res.span.as_slice());
-                    store.commit(key, res, sum);
+                    // Checksum each chunk right after it lands, while it is still in cache.
+                    let mut hasher = Xxh3::new();
+                    for chunk in res.span.as_mut_slice().chunks_mut(CHECKSUM_CHUNK) {
+                        self.read_full(chunk, false)?;
+                        hasher.update(chunk);
+                    }
+                    store.commit(key, res, hasher.digest());
                     store.metrics.puts.fetch_add(1, Ordering::Relaxed);
                     store.metrics.bytes_in.fetch_add(len, Ordering::Relaxed);
                     st.push(Status::Ok);
