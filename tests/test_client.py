@@ -198,3 +198,23 @@ def test_env_config_reaches_the_client(memkv_server, monkeypatch):
     assert c.put([b"env"], [b"ok"]) == [Status.OK]
     assert c.ping()[memkv_server.address] is not None
     assert os.environ["MEMKV_SERVERS"] == memkv_server.address
+
+
+def test_frozen_server_times_out_into_misses_then_recovers(memkv_server):
+    """A server that accepts but stops answering (SIGSTOP) costs one op timeout, not a hang;
+    once it answers again the client reconnects after its backoff."""
+    import signal
+
+    c = client_for(memkv_server, op_timeout_s=1.0, connect_timeout_s=0.5)
+    assert c.put([b"f"], [b"1"]) == [Status.OK]
+    memkv_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert c.get_into([b"f"], [bytearray(1)]) == [Status.UNAVAILABLE]
+        assert time.monotonic() - t0 < 5
+    finally:
+        memkv_server.proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 15
+    while c.exists([b"f"]) != [Status.OK]:
+        assert time.monotonic() < deadline, "client never recovered"
+        time.sleep(0.2)
