@@ -8,25 +8,19 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
+from memkv_procs import MemKVServer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memkv_procs import MemKVServer  # noqa: E402
-
-from memkv_vllm.store import BlockStore, Lookup, StoreOptions  # noqa: E402
+from memkv_vllm.store import BlockStore, Lookup, StoreOptions
 
 pytest.importorskip("memkv_vllm._native", reason="needs the built memkv client")
 
 
 @pytest.fixture
-def server() -> Iterator[MemKVServer]:
-    s = MemKVServer(memory="64M", lanes=2).start()
-    yield s
-    s.kill()
+def server(memkv_server: MemKVServer) -> MemKVServer:
+    return memkv_server
 
 
 def _store(address: str, **opts) -> BlockStore:

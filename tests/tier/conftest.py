@@ -15,11 +15,9 @@ from __future__ import annotations
 import itertools
 import select
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,9 +34,6 @@ from vllm.v1.kv_offload.tiering.manager import (  # noqa: E402
 )
 
 import memkv_vllm  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from memkv_procs import MemKVServer  # noqa: E402
 
 ROW = 8192  # bytes per pool row (one offloaded chunk, all workers); page-aligned like vLLM's
 
@@ -227,11 +222,3 @@ def proxy() -> Iterator[Callable[[str], FreezableProxy]]:
     yield make
     for p in made:
         p.close()
-
-
-@pytest.fixture
-def memkv_server() -> Iterator[MemKVServer]:
-    """A real `memkv serve` on a free loopback port (tier-local copy of the suite's fixture)."""
-    s = MemKVServer(memory="64M", lanes=2).start()
-    yield s
-    s.kill()
