@@ -179,24 +179,72 @@ fn stream() -> impl Strategy<Value = Vec<u8>> {
     ]
 }
 
+/// Sends one stream on a fresh connection, then checks the server still serves exactly the
+/// stored bytes to a well-behaved client.
+fn check_stream(greet: bool, bytes: &[u8]) -> Result<(), TestCaseError> {
+    let (s, c) = fuzz_server();
+    let mut raw = TcpStream::connect(s.addr).unwrap();
+    raw.set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    if greet {
+        raw.write_all(&Header::new(Opcode::Hello, 1, 0, 0).encode())
+            .unwrap();
+    }
+    let _ = raw.write_all(bytes);
+    let mut sink = [0u8; 4096];
+    let _ = raw.read(&mut sink);
+    drop(raw);
+    let (st, v) = get(c, b"canary", 16);
+    prop_assert_eq!(st, Status::Ok);
+    prop_assert_eq!(&v[..], b"the stored bytes");
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { failure_persistence: None, ..ProptestConfig::default() })]
 
     /// Whatever arrives, the server stays up and keeps serving exactly the stored bytes.
     #[test]
     fn fuzz_live_server_with_arbitrary_streams(greet in any::<bool>(), bytes in stream()) {
-        let (s, c) = fuzz_server();
-        let mut raw = TcpStream::connect(s.addr).unwrap();
-        raw.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
-        if greet {
-            raw.write_all(&Header::new(Opcode::Hello, 1, 0, 0).encode()).unwrap();
-        }
-        let _ = raw.write_all(&bytes);
-        let mut sink = [0u8; 4096];
-        let _ = raw.read(&mut sink);
-        drop(raw);
-        let (st, v) = get(c, b"canary", 16);
-        prop_assert_eq!(st, Status::Ok);
-        prop_assert_eq!(&v[..], b"the stored bytes");
+        check_stream(greet, &bytes)?;
     }
+}
+
+/// The same property for a fixed time (MEMKV_FUZZ_SECS, default 10 s) with fresh seeds each
+/// round: the bounded fuzz campaign CI runs.
+#[test]
+#[ignore = "time-bounded campaign; run with --include-ignored and MEMKV_FUZZ_SECS"]
+fn fuzz_campaign_live_server() {
+    use proptest::test_runner::{RngAlgorithm, TestRng, TestRunner};
+    let secs: u64 = std::env::var("MEMKV_FUZZ_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10);
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let (mut rounds, mut streams) = (0u64, 0u64);
+    while Instant::now() < deadline {
+        let mut seed = [0u8; 32];
+        seed[..8].copy_from_slice(&rounds.to_le_bytes());
+        seed[8..16].copy_from_slice(&(std::process::id() as u64).to_le_bytes());
+        let cfg = ProptestConfig {
+            cases: 64,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        };
+        let mut runner =
+            TestRunner::new_with_rng(cfg, TestRng::from_seed(RngAlgorithm::ChaCha, &seed));
+        runner
+            .run(&(any::<bool>(), stream()), |(greet, bytes)| {
+                check_stream(greet, &bytes)
+            })
+            .unwrap();
+        rounds += 1;
+        streams += 64;
+    }
+    let (s, _) = fuzz_server();
+    eprintln!(
+        "fuzz campaign: {streams} streams in {secs} s; server errors counted: malformed {}, bad_magic {}",
+        s.store.metrics.errors("malformed"),
+        s.store.metrics.errors("bad_magic")
+    );
 }

@@ -280,6 +280,7 @@ pub fn decode_error(body: &[u8]) -> Result<(Option<ErrorCode>, String)> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use proptest::test_runner::TestCaseError;
 
     #[test]
     fn key_lens_round_trip() {
@@ -346,22 +347,61 @@ mod tests {
         );
     }
 
+    /// Arbitrary bytes never panic any decoder, and whatever decodes re-encodes to the input.
+    fn check_decoders(body: &[u8]) -> std::result::Result<(), TestCaseError> {
+        if let Ok(keys) = decode_keys(body) {
+            prop_assert_eq!(&encode_keys(&keys)[..], body);
+        }
+        if let Ok(kl) = decode_key_lens(body) {
+            let (k, l): (Vec<&[u8]>, Vec<u64>) = kl.into_iter().unzip();
+            prop_assert_eq!(&encode_key_lens(&k, &l)[..], body);
+        }
+        let _ = decode_exists(body);
+        let _ = decode_statuses(body, 3);
+        let _ = decode_status_lens(body, 2);
+        let _ = HelloReply::decode(body);
+        let _ = decode_error(body);
+        Ok(())
+    }
+
+    /// Time-bounded campaign (MEMKV_FUZZ_SECS, default 10 s) over header and body decoders.
+    #[test]
+    #[ignore = "time-bounded campaign; run with --include-ignored and MEMKV_FUZZ_SECS"]
+    fn fuzz_campaign_decoders() {
+        use proptest::test_runner::{RngAlgorithm, TestRng, TestRunner};
+        let secs: u64 = std::env::var("MEMKV_FUZZ_SECS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(10);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+        let mut round = 0u64;
+        while std::time::Instant::now() < deadline {
+            let mut seed = [0u8; 32];
+            seed[..8].copy_from_slice(&round.to_le_bytes());
+            let cfg = ProptestConfig {
+                cases: 4096,
+                failure_persistence: None,
+                ..ProptestConfig::default()
+            };
+            let mut runner =
+                TestRunner::new_with_rng(cfg, TestRng::from_seed(RngAlgorithm::ChaCha, &seed));
+            runner
+                .run(&proptest::collection::vec(any::<u8>(), 0..2048), |b| {
+                    if b.len() >= crate::HEADER_LEN {
+                        let _ = crate::Header::decode(b[..crate::HEADER_LEN].try_into().unwrap());
+                    }
+                    check_decoders(&b)
+                })
+                .unwrap();
+            round += 1;
+        }
+        eprintln!("decoder fuzz campaign: {} inputs in {secs} s", round * 4096);
+    }
+
     proptest! {
-        // Arbitrary bytes never panic any decoder, and whatever decodes re-encodes to the input.
         #[test]
         fn decoders_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
-            if let Ok(keys) = decode_keys(&body) {
-                prop_assert_eq!(encode_keys(&keys), body.clone());
-            }
-            if let Ok(kl) = decode_key_lens(&body) {
-                let (k, l): (Vec<&[u8]>, Vec<u64>) = kl.into_iter().unzip();
-                prop_assert_eq!(encode_key_lens(&k, &l), body.clone());
-            }
-            let _ = decode_exists(&body);
-            let _ = decode_statuses(&body, 3);
-            let _ = decode_status_lens(&body, 2);
-            let _ = HelloReply::decode(&body);
-            let _ = decode_error(&body);
+            check_decoders(&body)?;
         }
 
         #[test]
