@@ -22,9 +22,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-pytest.importorskip("vllm", reason="tier tests need vLLM (use a venv from scripts/setup-vllm.sh)")
-
 from vllm.v1.core import kv_cache_utils  # noqa: E402
 from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402

@@ -8,7 +8,7 @@ import time
 import uuid
 
 import numpy as np
-from conftest import ROW, okey, pattern
+from harness import ROW, okey, pattern
 from vllm.v1.kv_offload.base import LookupResult as LR
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
