@@ -49,7 +49,8 @@ class Status(enum.IntEnum):
 def buffer_address(obj: Any, writable: bool) -> tuple[int, int]:
     """(address, byte length) of a contiguous CPU buffer: torch tensor, numpy array, or any
     object with the buffer protocol. Raises ValueError for memory we cannot safely use."""
-    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):  # torch.Tensor, without importing torch
+    # torch.Tensor, recognised without importing torch
+    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):
         if obj.device.type != "cpu":
             raise ValueError(f"tensor on {obj.device}: the TCP transport needs host memory")
         if not obj.is_contiguous():
@@ -115,7 +116,9 @@ class MemKVClient:
         )
 
     @classmethod
-    def from_config(cls, cfg: MemKVConfig | None = None, io_threads: int | None = None) -> MemKVClient:
+    def from_config(
+        cls, cfg: MemKVConfig | None = None, io_threads: int | None = None
+    ) -> MemKVClient:
         return cls(cfg if cfg is not None else load_config(), io_threads)
 
     # -- blocking calls (GIL released during I/O) ------------------------------------------

@@ -15,7 +15,8 @@ from memkv_procs import MemKVServer  # noqa: E402
 
 @pytest.fixture
 def memkv_server_factory() -> Iterator[Callable[..., MemKVServer]]:
-    """Starts servers on demand: ``factory(memory='256M', lanes=4, auth_key=None, metrics=False)``."""
+    """Starts servers on demand:
+    ``factory(memory='256M', lanes=4, auth_key=None, metrics=False)``."""
     started: list[MemKVServer] = []
 
     def make(**kw: object) -> MemKVServer:

@@ -1,4 +1,4 @@
-"""Starting and stopping real `memkv serve` processes on free loopback ports, for tests and demos."""
+"""Starting and stopping real `memkv serve` processes on free loopback ports (tests, demos)."""
 
 from __future__ import annotations
 

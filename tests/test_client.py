@@ -44,7 +44,7 @@ def test_batch_of_mixed_sizes_and_buffer_types(memkv_server):
     dsts = [bytearray(1), np.zeros(100, np.uint8), memoryview(bytearray(4096)),
             np.zeros((300, 1000), np.uint8)]
     assert c.get_into(keys, dsts) == [Status.OK] * 4
-    for v, d in zip(vals, dsts):
+    for v, d in zip(vals, dsts, strict=True):
         assert np.array_equal(v, np.frombuffer(d, np.uint8).reshape(-1))
 
 
@@ -83,7 +83,7 @@ def test_two_clients_share_a_two_server_cluster(memkv_cluster2):
     # The server order in the list does not change placement: b finds everything a wrote.
     dst = [np.zeros(1000 + i, np.uint8) for i in range(200)]
     assert b.get_into(keys, dst) == [Status.OK] * 200
-    assert all(np.array_equal(v, d) for v, d in zip(vals, dst))
+    assert all(np.array_equal(v, d) for v, d in zip(vals, dst, strict=True))
     items = [s.stats()["items"] for s in memkv_cluster2]
     assert sum(items) == 200 and min(items) > 50, f"keys not spread over both servers: {items}"
 
@@ -104,7 +104,7 @@ def test_killed_server_turns_its_keys_into_misses_without_hanging(memkv_cluster2
     assert st is not None, "a batch must not hang when a server dies"
     st = c.get_into(keys, dst)
     assert time.monotonic() - t0 < 15
-    for s, lost, v, d in zip(st, owned_by_victim, vals, dst):
+    for s, lost, v, d in zip(st, owned_by_victim, vals, dst, strict=True):
         if lost:
             assert s == Status.UNAVAILABLE
         else:
@@ -208,6 +208,9 @@ def test_frozen_server_times_out_into_misses_then_recovers(memkv_server):
     c = client_for(memkv_server, op_timeout_s=1.0, connect_timeout_s=0.5)
     assert c.put([b"f"], [b"1"]) == [Status.OK]
     memkv_server.proc.send_signal(signal.SIGSTOP)
+    stat = f"/proc/{memkv_server.proc.pid}/stat"
+    while open(stat).read().split(") ")[1][0] != "T":  # wait until it is really stopped
+        time.sleep(0.01)
     try:
         t0 = time.monotonic()
         assert c.get_into([b"f"], [bytearray(1)]) == [Status.UNAVAILABLE]

@@ -1,4 +1,4 @@
-"""Properties of key placement (rendezvous hashing), through the same native code the client uses."""
+"""Properties of key placement (rendezvous hashing), through the native code the client uses."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import sys
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from memkv_vllm._native import rendezvous
 
 servers_st = st.lists(

@@ -11,16 +11,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use memkv_proto::{
-    self as proto, ErrorCode, Header, HelloReply, Opcode, ProtoError, Status, HEADER_LEN,
+    self as proto, ErrorCode, Header, HelloReply, Opcode, ProtoError, Status, CHECKSUM_CHUNK,
+    HEADER_LEN,
 };
-
-use xxhash_rust::xxh3::Xxh3;
 
 use crate::lane::Value;
 use crate::store::Store;
 
-/// PUT values are received and checksummed in pieces of this size.
-const CHECKSUM_CHUNK: usize = 1 << 20;
+/// GET replies are written in batches of verified chunks of about this size.
+const SEND_BATCH: usize = 4 << 20;
 
 /// How often a blocked read wakes up to look at the shutdown flag.
 const POLL: Duration = Duration::from_millis(200);
@@ -235,12 +234,15 @@ impl Conn<'_> {
             match store.reserve(key, len) {
                 Ok(mut res) => {
                     // Checksum each chunk right after it lands, while it is still in cache.
-                    let mut hasher = Xxh3::new();
+                    let mut sums = Vec::with_capacity(1 + len as usize / CHECKSUM_CHUNK);
                     for chunk in res.span.as_mut_slice().chunks_mut(CHECKSUM_CHUNK) {
                         self.read_full(chunk, false)?;
-                        hasher.update(chunk);
+                        sums.push(proto::checksum(chunk));
                     }
-                    store.commit(key, res, hasher.digest());
+                    if sums.is_empty() {
+                        sums.push(proto::checksum(&[]));
+                    }
+                    store.commit(key, res, sums);
                     store.metrics.puts.fetch_add(1, Ordering::Relaxed);
                     store.metrics.bytes_in.fetch_add(len, Ordering::Relaxed);
                     st.push(Status::Ok);
@@ -259,18 +261,21 @@ impl Conn<'_> {
         self.reply(h, &proto::encode_statuses(&st), &[])
     }
 
-    /// GET: every value is verified before the reply starts, so a reply never carries bytes other
-    /// than those stored; values stay referenced (not freed by eviction) until sent.
+    /// GET: each chunk of each value is verified against its checksum right before it is sent,
+    /// so no byte other than those stored ever leaves. The first chunk (all of a value up to
+    /// 1 MiB) is checked before the reply starts and a mismatch there answers `Corrupt`; a
+    /// mismatch in a later chunk drops the value and aborts the connection, which the client
+    /// sees as a miss. Values stay referenced (not freed by eviction) until sent.
     fn get(&mut self, h: &Header, body: &[u8]) -> Result<(), End> {
         let items = proto::decode_key_lens(body)?;
         let store = &*self.ctx.store;
         let m = &store.metrics;
         let mut st = Vec::with_capacity(items.len());
-        let mut vals: Vec<Arc<Value>> = Vec::with_capacity(items.len());
+        let mut vals: Vec<(&[u8], Arc<Value>)> = Vec::with_capacity(items.len());
         for (key, want) in items {
             let s = match store.fetch_verified(key) {
                 Ok(v) if v.span.len() == want => {
-                    vals.push(v);
+                    vals.push((key, v));
                     Status::Ok
                 }
                 Ok(v) => {
@@ -284,10 +289,32 @@ impl Conn<'_> {
             (if s == Status::Ok { &m.hits } else { &m.misses }).fetch_add(1, Ordering::Relaxed);
             st.push((s, len));
         }
-        let slices: Vec<&[u8]> = vals.iter().map(|v| v.span.as_slice()).collect();
-        let sent: u64 = slices.iter().map(|s| s.len() as u64).sum();
-        self.reply(h, &proto::encode_status_lens(&st), &slices)?;
-        m.bytes_out.fetch_add(sent, Ordering::Relaxed);
+        let total: u64 = vals.iter().map(|(_, v)| v.span.len()).sum();
+        let table = proto::encode_status_lens(&st);
+        let hdr = Header::new(h.opcode.reply(), h.request_id, table.len(), total).encode();
+        // The header and table go out with the first batch of verified chunks.
+        let mut batch: Vec<&[u8]> = vec![&hdr, &table];
+        let mut batched = 0;
+        for (key, v) in &vals {
+            for i in 0..v.chunks() {
+                if i > 0 && !v.chunk_ok(i) {
+                    store.drop_corrupt(key, v);
+                    return Err(End::Io(io::Error::other(
+                        "checksum mismatch mid-value; reply aborted",
+                    )));
+                }
+                let c = v.chunk(i);
+                batch.push(c);
+                batched += c.len();
+                if batched >= SEND_BATCH {
+                    write_all_parts(&mut self.stream, &batch)?;
+                    batch.clear();
+                    batched = 0;
+                }
+            }
+        }
+        write_all_parts(&mut self.stream, &batch)?;
+        m.bytes_out.fetch_add(total, Ordering::Relaxed);
         Ok(())
     }
 

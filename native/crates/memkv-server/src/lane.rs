@@ -18,7 +18,27 @@ use crate::arena::{LaneMemory, Span};
 /// A committed value. Shared (Arc) between the index and readers streaming it out.
 pub struct Value {
     pub span: Span,
-    pub checksum: u64,
+    /// One checksum per `memkv_proto::CHECKSUM_CHUNK` bytes.
+    pub checksums: Vec<u64>,
+}
+
+impl Value {
+    /// The `i`-th `CHECKSUM_CHUNK` of the value.
+    pub fn chunk(&self, i: usize) -> &[u8] {
+        let data = self.span.as_slice();
+        let start = (i * memkv_proto::CHECKSUM_CHUNK).min(data.len());
+        let end = (start + memkv_proto::CHECKSUM_CHUNK).min(data.len());
+        &data[start..end]
+    }
+
+    /// Whether the `i`-th chunk still matches the checksum taken at PUT.
+    pub fn chunk_ok(&self, i: usize) -> bool {
+        self.checksums.get(i) == Some(&memkv_proto::checksum(self.chunk(i)))
+    }
+
+    pub fn chunks(&self) -> usize {
+        self.checksums.len()
+    }
 }
 
 /// A reserved, not yet visible value: becomes visible only through `Lane::commit`.
@@ -118,10 +138,10 @@ impl Lane {
     }
 
     /// Makes a filled reservation visible under `key`, replacing any older value.
-    pub fn commit(&self, key: &[u8], res: Reservation, checksum: u64) {
+    pub fn commit(&self, key: &[u8], res: Reservation, checksums: Vec<u64>) {
         let value = Arc::new(Value {
             span: res.span,
-            checksum,
+            checksums,
         });
         let key: Key = Arc::from(key);
         let mut guard = self.inner.lock().unwrap();
@@ -340,7 +360,7 @@ mod tests {
         match l.reserve(len) {
             Ok(mut r) => {
                 r.span.as_mut_slice().fill(k.as_bytes()[0]);
-                let c = memkv_proto::checksum(r.span.as_slice());
+                let c = memkv_proto::chunk_checksums(r.span.as_slice());
                 l.commit(k.as_bytes(), r, c);
                 Status::Ok
             }

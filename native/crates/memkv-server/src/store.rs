@@ -42,31 +42,33 @@ impl Store {
         self.lane(key).reserve(len)
     }
 
-    pub fn commit(&self, key: &[u8], res: Reservation, checksum: u64) {
-        self.lane(key).commit(key, res, checksum)
+    pub fn commit(&self, key: &[u8], res: Reservation, checksums: Vec<u64>) {
+        self.lane(key).commit(key, res, checksums)
     }
 
     pub fn exists(&self, key: &[u8], lease: Duration) -> (Status, u64) {
         self.lane(key).exists(key, lease)
     }
 
-    /// GET lookup with verification: a value whose bytes no longer match their checksum is
-    /// dropped and reported as `Corrupt`, so no wrong byte is ever served.
+    /// GET lookup. The first chunk (all of a value up to `CHECKSUM_CHUNK`) is verified here,
+    /// so a mismatch there is reported as `Corrupt` before the reply starts; the connection
+    /// verifies every later chunk right before sending it (see `conn::Conn::get`).
     pub fn fetch_verified(&self, key: &[u8]) -> Result<Arc<Value>, Status> {
-        let lane = self.lane(key);
-        match lane.fetch(key) {
+        match self.lane(key).fetch(key) {
             Fetched::Missing => Err(Status::NotFound),
+            Fetched::Found(v) if v.chunk_ok(0) => Ok(v),
             Fetched::Found(v) => {
-                if memkv_proto::checksum(v.span.as_slice()) == v.checksum {
-                    Ok(v)
-                } else {
-                    tracing::error!(key = %String::from_utf8_lossy(key), "checksum mismatch; value dropped");
-                    self.metrics.error("corrupt");
-                    lane.drop_if_same(key, &v);
-                    Err(Status::Corrupt)
-                }
+                self.drop_corrupt(key, &v);
+                Err(Status::Corrupt)
             }
         }
+    }
+
+    /// Drops a value whose bytes no longer match their checksum, so it is never served again.
+    pub fn drop_corrupt(&self, key: &[u8], v: &Arc<Value>) {
+        tracing::error!(key = %String::from_utf8_lossy(key), "checksum mismatch; value dropped");
+        self.metrics.error("corrupt");
+        self.lane(key).drop_if_same(key, v);
     }
 
     pub fn delete(&self, key: &[u8]) -> Status {
@@ -104,8 +106,8 @@ mod tests {
         let s = Store::new(1 << 20, 2, 0.5).unwrap();
         let mut r = s.reserve(b"k", 100).unwrap();
         r.span.as_mut_slice().fill(7);
-        let sum = memkv_proto::checksum(r.span.as_slice());
-        s.commit(b"k", r, sum);
+        let sums = memkv_proto::chunk_checksums(r.span.as_slice());
+        s.commit(b"k", r, sums);
         let Ok(v) = s.fetch_verified(b"k") else {
             panic!("intact value must be served")
         };
