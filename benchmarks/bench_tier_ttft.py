@@ -1,19 +1,21 @@
 #!/usr/bin/env python3
 """Time to first token with the memkv tier on vLLM's CPU platform: cold vs warm, and all-miss cost.
 
-Three engine processes see the same set of prompts (distinct prompts per length, so no prompt
-shares a prefix with another), each prompt as a max_tokens=1 request:
+Engine processes see sets of prompts (distinct prompts per length, so no prompt shares a prefix
+with another), each prompt as a max_tokens=1 request:
 
   baseline  plain vLLM, no KV offloading at all
   cold      memkv tier on, cluster empty for these prompts: every lookup misses, blocks are stored
   warm      a NEW engine process (empty CPU pool), memkv tier on: prefixes come from the cluster
 
 cold - baseline is the all-miss overhead of the tier (probe round trip, the extra scheduler step,
-stores); cold / warm is the speed-up from reusing another engine's prefix. The model is a random
+stores); cold / warm is the speed-up from reusing another engine's prefix. Processes differ in
+timing noise on a shared 2-core box, so baseline and cold run alternately for --rounds rounds,
+each round on fresh prompts, and medians are taken over rounds and prompts. The model is a random
 Llama big enough that prefill dominates on a 2-core CPU (built locally, scripts/make_tiny_model.py).
 
   .venv-vllm/bin/python benchmarks/bench_tier_ttft.py [--lengths 512,1024,2048,3072] [--reps 2]
-      [--json out.json]
+      [--rounds 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ def engine_main(args: argparse.Namespace) -> int:
 
 
 def run_engine(mode: str, model: str, servers: str, prefix: str, prompts: list[str],
-               work: Path) -> dict:
-    out = work / f"{mode}.json"
+               work: Path, tag: str = "") -> dict:
+    out = work / f"{mode}{tag}.json"
     env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, __file__, "--engine", "--mode", mode, "--model", model,
@@ -67,10 +69,10 @@ def run_engine(mode: str, model: str, servers: str, prefix: str, prompts: list[s
            "--out", str(out)]
     t0 = time.time()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    (work / f"{mode}.log").write_text(p.stdout + p.stderr)
+    (work / f"{mode}{tag}.log").write_text(p.stdout + p.stderr)
     if p.returncode != 0:
         sys.exit(f"{mode} engine failed:\n{p.stderr[-4000:]}")
-    print(f"  {mode:8s} engine done in {time.time() - t0:.0f}s", flush=True)
+    print(f"  {mode:8s}{tag:3s} engine done in {time.time() - t0:.0f}s", flush=True)
     return json.loads(out.read_text())
 
 
@@ -85,6 +87,7 @@ def main() -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--lengths", default="512,1024,2048,3072")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if args.engine:
@@ -99,23 +102,29 @@ def main() -> int:
     from memkv_procs import MemKVServer
 
     lengths = [int(x) for x in args.lengths.split(",")]
-    prompts = [f"{n}:{n * 100 + r}" for n in lengths for r in range(args.reps)]
+    rounds = [[f"{n}:{n * 100 + 10 * k + r}" for n in lengths for r in range(args.reps)]
+              for k in range(args.rounds)]
+    prompts = [p for rnd in rounds for p in rnd]
     server = MemKVServer(memory="1G", lanes=2).start()
     prefix = f"bench-{int(time.time())}"
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
-            print(f"memkv server {server.address}; {len(prompts)} prompts; 3 engine processes",
-                  flush=True)
-            res = {m: run_engine(m, str(model), server.address, prefix, prompts, work)
-                   for m in ("baseline", "cold", "warm")}
+            print(f"memkv server {server.address}; {len(prompts)} prompts; "
+                  f"{2 * args.rounds + 1} engine processes", flush=True)
+            res: dict[str, dict] = {"baseline": {}, "cold": {}}
+            for k, rnd in enumerate(rounds):
+                for m in ("baseline", "cold"):
+                    res[m].update(run_engine(m, str(model), server.address, prefix, rnd, work,
+                                             f"#{k}"))
+            res["warm"] = run_engine("warm", str(model), server.address, prefix, prompts, work)
             stats = server.stats()
     finally:
         server.kill()
 
     rows = []
     print(f"\nTTFT on vLLM's CPU platform, model {model.name} (random weights), median of "
-          f"{args.reps} prompts per length\n")
+          f"{args.reps * args.rounds} prompts per length\n")
     print(f"{'prompt':>7} {'baseline':>10} {'tier cold':>10} {'all-miss':>10} {'tier warm':>10} "
           f"{'speed-up':>9} {'from memkv':>11}")
     for n in lengths:

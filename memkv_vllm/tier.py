@@ -160,8 +160,15 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
             n_read_threads, n_write_threads, blocks_per_op, lookup_timeout_s,
             max_store_backlog_mb, _API.name,
         )
+        self._warned_hashes = False
+        self._warn_if_hashes_differ()
+
+    def _warn_if_hashes_differ(self) -> None:
+        if self._warned_hashes:
+            return
         ok, why = _API.block_hashes_reproducible()
         if not ok:
+            self._warned_hashes = True
             logger.warning(
                 "memkv tier: %s; other processes will compute different block hashes and never "
                 "hit this engine's blocks (set PYTHONHASHSEED to the same value everywhere)", why)
@@ -185,6 +192,7 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
             nh = _API.none_hash_digest()
             if nh is None:
                 return None
+            self._warn_if_hashes_differ()  # now the seed itself is known (xxhash: 16 bytes)
             self._layout = KeyLayout(self._prefix, self._model, {**self._fields, "none_hash": nh})
             logger.info("memkv tier: key namespace %s (%s)", self._layout.namespace,
                         self._layout.describe())

@@ -116,13 +116,16 @@ class VllmApi:
         """Will another process compute the same block hashes? (answer, reason if not)."""
         if os.environ.get("PYTHONHASHSEED"):
             return True, ""
-        if hasattr(importlib.import_module("vllm.v1.core.kv_cache_utils"), "get_none_hash_seed"):
-            # vLLM derives a fixed seed for sha256/sha256_cbor; xxhash stays random.
-            algo = self._hash_algo()
-            if algo is not None and algo.startswith("xxhash"):
-                return False, f"prefix_caching_hash_algo={algo} seeds block hashes randomly"
-            return True, ""
-        return False, "PYTHONHASHSEED is unset, so this vLLM seeds block hashes randomly"
+        kcu = importlib.import_module("vllm.v1.core.kv_cache_utils")
+        if not hasattr(kcu, "get_none_hash_seed"):
+            return False, "PYTHONHASHSEED is unset, so this vLLM seeds block hashes randomly"
+        # 0.29+: a fixed seed for sha256/sha256_cbor, still a random one for xxhash. The algorithm
+        # is not always visible from the scheduler, but xxh3-128 digests are 16 bytes long.
+        algo = self._hash_algo() or ""
+        nh = getattr(kcu, "NONE_HASH", None)
+        if algo.startswith("xxhash") or (nh is not None and len(nh) == 16):
+            return False, "prefix_caching_hash_algo=xxhash seeds block hashes randomly"
+        return True, ""
 
     def _hash_algo(self) -> str | None:
         try:

@@ -263,3 +263,27 @@ def test_metrics_are_declared_and_reported(memkv_server, engines) -> None:
     # Counters are deltas: a second call without new activity reports no new blocks.
     again = b.tier.get_stats()
     assert again is None or blocks not in again.data["data"]
+
+
+def test_blocks_evicted_by_memory_pressure_read_as_misses(memkv_server_factory, engines) -> None:
+    server = memkv_server_factory(memory="4M", lanes=1)
+    cfg = _cfg(server.address)
+    a = engines(cfg)
+    keys = [okey(800 + i) for i in range(4)]
+    a.store(keys, _fill(a))
+    a.drain()
+    assert server.stats()["items"] == 4
+    # Other engines' traffic pushes the server past its memory: these blocks get evicted.
+    c = _client(server.address)
+    try:
+        filler = np.ones(ROW, dtype=np.int8)
+        for i in range(0, 2048, 64):
+            c.put([f"filler/{j}".encode() for j in range(i, i + 64)], [filler] * 64)
+    finally:
+        c.close()
+    assert server.stats()["evictions"] > 0
+    b = engines(cfg)
+    ctx = b.ctx()
+    b.manager.on_new_request(ctx)
+    b.run_until(lambda: [b.lookup(k, ctx) for k in keys] == [LR.MISS] * 4, timeout=5)
+    assert b.tier.store_stats().get("load_jobs", 0) == 0  # nothing to promote: recompute
