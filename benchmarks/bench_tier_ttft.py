@@ -4,12 +4,14 @@
 Engine processes see sets of prompts (distinct prompts per length, so no prompt shares a prefix
 with another), each prompt as a max_tokens=1 request:
 
-  baseline  plain vLLM, no KV offloading at all
-  cold      memkv tier on, cluster empty for these prompts: every lookup misses, blocks are stored
+  plain     plain vLLM, no KV connector (for reference: a KV connector changes vLLM's scheduling,
+            e.g. async scheduling, so this is not the baseline of the tier's cost)
+  baseline  vLLM's TieringOffloadingSpec with the CPU pool only (no secondary tier)
+  cold      the same plus the memkv tier, cluster empty for these prompts: every lookup misses
   warm      a NEW engine process (empty CPU pool), memkv tier on: prefixes come from the cluster
 
-cold - baseline is the all-miss overhead of the tier (probe round trip, the extra scheduler step,
-stores); cold / warm is the speed-up from reusing another engine's prefix. Processes differ in
+cold - baseline is the all-miss overhead of the memkv tier (probe round trip, the extra scheduler
+step, stores); cold / warm is the speed-up from reusing another engine's prefix. Processes differ in
 timing noise on a shared 2-core box, so baseline and cold run alternately for --rounds rounds,
 each round on fresh prompts, and medians are taken over rounds and prompts. The model is a random
 Llama big enough that prefill dominates on a 2-core CPU (built locally, scripts/make_tiny_model.py).
@@ -41,8 +43,12 @@ def engine_main(args: argparse.Namespace) -> int:
     from tier_engine import kv_transfer_config, prompt_text
     from vllm import LLM, SamplingParams
 
-    kw = {} if args.mode == "baseline" else {
-        "kv_transfer_config": kv_transfer_config(args.servers, args.prefix, 512 << 20)}
+    kw = {}
+    if args.mode != "plain":
+        kv = kv_transfer_config(args.servers, args.prefix, 512 << 20)
+        if args.mode == "baseline":
+            kv["kv_connector_extra_config"]["secondary_tiers"] = []
+        kw["kv_transfer_config"] = kv
     llm = LLM(model=args.model, dtype="float32", max_model_len=4096, max_num_seqs=4,
               enforce_eager=True, seed=0, **kw)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -111,13 +117,15 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
             print(f"memkv server {server.address}; {len(prompts)} prompts; "
-                  f"{2 * args.rounds + 1} engine processes", flush=True)
+                  f"{2 * args.rounds + 2} engine processes", flush=True)
             res: dict[str, dict] = {"baseline": {}, "cold": {}}
             for k, rnd in enumerate(rounds):
                 for m in ("baseline", "cold"):
                     res[m].update(run_engine(m, str(model), server.address, prefix, rnd, work,
                                              f"#{k}"))
             res["warm"] = run_engine("warm", str(model), server.address, prefix, prompts, work)
+            res["plain"] = run_engine("plain", str(model), server.address, prefix, rounds[0],
+                                      work)
             stats = server.stats()
     finally:
         server.kill()
@@ -125,20 +133,21 @@ def main() -> int:
     rows = []
     print(f"\nTTFT on vLLM's CPU platform, model {model.name} (random weights), median of "
           f"{args.reps * args.rounds} prompts per length\n")
-    print(f"{'prompt':>7} {'baseline':>10} {'tier cold':>10} {'all-miss':>10} {'tier warm':>10} "
-          f"{'speed-up':>9} {'from memkv':>11}")
+    print(f"{'prompt':>7} {'plain':>8} {'CPU pool':>9} {'+memkv cold':>12} {'all-miss':>9} "
+          f"{'+memkv warm':>12} {'speed-up':>9} {'from memkv':>11}")
     for n in lengths:
         ids = [p for p in prompts if p.startswith(f"{n}:")]
-        med = {m: statistics.median(res[m][p][0] for p in ids) for m in res}
+        med = {m: statistics.median(res[m][p][0] for p in ids if p in res[m]) for m in res}
         cached = statistics.median(res["warm"][p][1] for p in ids)
         ntok = res["warm"][ids[0]][2]
-        row = {"prompt_tokens": ntok, "baseline_s": med["baseline"], "cold_s": med["cold"],
+        row = {"prompt_tokens": ntok, "plain_s": med["plain"], "baseline_s": med["baseline"],
+               "cold_s": med["cold"],
                "warm_s": med["warm"], "all_miss_overhead_s": med["cold"] - med["baseline"],
                "speedup": med["cold"] / med["warm"], "warm_cached_tokens": cached}
         rows.append(row)
-        print(f"{ntok:>7} {med['baseline'] * 1e3:>8.0f}ms {med['cold'] * 1e3:>8.0f}ms "
-              f"{row['all_miss_overhead_s'] * 1e3:>+8.0f}ms {med['warm'] * 1e3:>8.0f}ms "
-              f"{row['speedup']:>8.1f}x {int(cached):>6} tok")
+        print(f"{ntok:>7} {med['plain'] * 1e3:>6.0f}ms {med['baseline'] * 1e3:>7.0f}ms "
+              f"{med['cold'] * 1e3:>10.0f}ms {row['all_miss_overhead_s'] * 1e3:>+7.0f}ms "
+              f"{med['warm'] * 1e3:>10.0f}ms {row['speedup']:>8.1f}x {int(cached):>6} tok")
     print(f"\nserver: {stats['items']} items, {stats['puts']} puts, {stats['hits']} hits, "
           f"{stats['bytes_out'] >> 20} MiB served")
     if args.json:
