@@ -3,8 +3,10 @@
 Engine A (a process) serves a long prompt cold and cascades its prefix blocks CPU pool -> memkv.
 Engine B (a new process, empty CPU pool) serves the same prompt: its prefix blocks must come from
 memkv (vLLM's external-prefix-cache and tiering metrics, and the server's counters, show it) and
-its greedy tokens and logprobs must equal A's. Engine C runs after the server was killed: it must
-still answer, identically, by recomputing.
+its greedy tokens and logprobs must equal A's. An OpenAI-API engine (another new process) gets
+the prefix from memkv too, and its Prometheus /metrics count the external prefix hits and the
+memkv loads. Engine C runs after the server was killed: it must still answer, identically, by
+recomputing.
 Needs the memkv_tier entry point installed in this venv (scripts/test.sh does it) and the tiny
 model (scripts/setup-vllm.sh builds it; built here if missing).
 """
@@ -14,8 +16,11 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -118,6 +123,71 @@ def test_engine_b_gets_the_prefix_from_memkv_and_matches_cold(cluster) -> None:
     after = server.stats()
     assert after["hits"] - before["hits"] == full // BLOCK
     assert after["exists_hits"] - before["exists_hits"] >= full // BLOCK
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prometheus(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        series, value = line.rsplit(" ", 1)
+        if all(f'{k}="{v}"' in series for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def test_online_engine_reports_the_memkv_hits_in_its_metrics(cluster) -> None:
+    """An OpenAI-API engine (the serving path, whose /metrics vLLM keeps exact on every version)
+    gets the prefix from memkv; vLLM's Prometheus counters say so."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from tier_engine import kv_transfer_config, prompt_text
+
+    port = _free_port()
+    env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    kv = kv_transfer_config(cluster["server"].address, cluster["prefix"], 64 << 20)
+    log = (cluster["work"] / "online.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cluster["model"],
+         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+         "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4",
+         "--enforce-eager", "--shutdown-timeout", "10", "--kv-transfer-config", json.dumps(kv)],
+        env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, "API server exited; see online.log"
+            assert time.monotonic() < deadline, "API server did not come up"
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        body = json.dumps({"model": "tiny", "prompt": prompt_text(PROMPT_TOKENS),
+                           "max_tokens": 1, "temperature": 0}).encode()
+        req = urllib.request.Request(base + "/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        usage = json.load(urllib.request.urlopen(req, timeout=120))["usage"]
+        full = (usage["prompt_tokens"] // BLOCK) * BLOCK
+        time.sleep(2)  # stats reach the front end once per logging interval / step
+        text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        assert _prometheus(text, "vllm:external_prefix_cache_hits_total") == full
+        assert _prometheus(text, "vllm:kv_offload_memkv_blocks_total",
+                           op="load", result="ok") == full // BLOCK
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
 
 
 def test_with_the_server_killed_engine_c_recomputes_identically(cluster) -> None:
