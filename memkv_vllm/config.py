@@ -86,10 +86,11 @@ class ConfigError(ValueError):
 # Each check takes an already-typed value and raises ValueError with a message that never echoes
 # the auth key. The loader's parsers turn strings (env, yaml) into typed values first.
 
-# RFC 1123 host name: dot-separated labels of letters, digits and inner hyphens.
+# RFC 1123 host name: dot-separated labels of letters, digits and inner hyphens; underscores too,
+# because resolvers accept them and container runtimes hand out such names (compose services).
 _HOSTNAME_RE = re.compile(
-    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$"
+    r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+    r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$"
 )
 _PORT_RE = re.compile(r"^[0-9]{1,5}$")
 _DEVICE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
