@@ -61,6 +61,18 @@ def engine_main(args: argparse.Namespace) -> int:
         out[pid] = [time.perf_counter() - t0, r.num_cached_tokens, len(r.prompt_token_ids)]
         time.sleep(0.2)  # let the stores of this prompt reach the cluster before the next one
     time.sleep(1.0)
+    # vLLM 0.28+ times how long tier lookups stay unresolved (RETRY until the probe answers):
+    # the tier's own share of an all-miss request's TTFT, free of prefill noise.
+    delay = {"count": 0, "sum": 0.0}
+    try:
+        for m in llm.get_metrics():
+            if (m.name == "vllm:kv_offload_tiering_lookup_async_delay_seconds"
+                    and m.labels.get("tier", "").endswith(":memkv")):
+                delay["count"] += int(m.count)
+                delay["sum"] += float(m.sum)
+    except Exception:
+        pass
+    out["_lookup_delay"] = delay
     Path(args.out).write_text(json.dumps(out))
     return 0
 
@@ -119,13 +131,19 @@ def main() -> int:
             print(f"memkv server {server.address}; {len(prompts)} prompts; "
                   f"{2 * args.rounds + 2} engine processes", flush=True)
             res: dict[str, dict] = {"baseline": {}, "cold": {}}
+            delays = {"count": 0, "sum": 0.0}  # tier lookup delays of the all-miss runs
             for k, rnd in enumerate(rounds):
                 for m in ("baseline", "cold"):
-                    res[m].update(run_engine(m, str(model), server.address, prefix, rnd, work,
-                                             f"#{k}"))
+                    r = run_engine(m, str(model), server.address, prefix, rnd, work, f"#{k}")
+                    d = r.pop("_lookup_delay", {})
+                    if m == "cold":
+                        delays = {x: delays[x] + d.get(x, 0) for x in delays}
+                    res[m].update(r)
             res["warm"] = run_engine("warm", str(model), server.address, prefix, prompts, work)
             res["plain"] = run_engine("plain", str(model), server.address, prefix, rounds[0],
                                       work)
+            for r in res.values():
+                r.pop("_lookup_delay", None)
             stats = server.stats()
     finally:
         server.kill()
@@ -148,10 +166,15 @@ def main() -> int:
         print(f"{ntok:>7} {med['plain'] * 1e3:>6.0f}ms {med['baseline'] * 1e3:>7.0f}ms "
               f"{med['cold'] * 1e3:>10.0f}ms {row['all_miss_overhead_s'] * 1e3:>+7.0f}ms "
               f"{med['warm'] * 1e3:>10.0f}ms {row['speedup']:>8.1f}x {int(cached):>6} tok")
+    if delays["count"]:
+        print(f"\nmemkv lookups pending until their probe answered (vLLM's "
+              f"lookup_async_delay, all-miss runs): {delays['count']} chunk lookups, mean "
+              f"{delays['sum'] / delays['count'] * 1e3:.2f} ms")
     print(f"\nserver: {stats['items']} items, {stats['puts']} puts, {stats['hits']} hits, "
           f"{stats['bytes_out'] >> 20} MiB served")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "server": stats}, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "server": stats,
+                                               "memkv_lookup_delay": delays}, indent=1))
     return 0
 
 
