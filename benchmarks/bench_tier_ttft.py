@@ -50,7 +50,7 @@ def engine_main(args: argparse.Namespace) -> int:
             kv["kv_connector_extra_config"]["secondary_tiers"] = []
         kw["kv_transfer_config"] = kv
     llm = LLM(model=args.model, dtype="float32", max_model_len=4096, max_num_seqs=4,
-              enforce_eager=True, seed=0, **kw)
+              enforce_eager=True, seed=0, disable_log_stats=False, **kw)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate([prompt_text(200, seed=999_999)], sp, use_tqdm=False)  # warm-up, unrelated
     out = {}
