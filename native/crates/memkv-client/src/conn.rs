@@ -3,7 +3,7 @@
 //! Values go from caller memory to the socket with vectored writes and from the socket straight
 //! into caller memory, so the client copies nothing itself.
 
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, Read};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
@@ -87,18 +87,14 @@ impl Conn {
         self.next_id += 1;
         let plen: u64 = payload.iter().map(|b| b.len as u64).sum();
         let hdr = Header::new(op, id, body.len(), plen).encode();
-        let mut parts: Vec<IoSlice> = Vec::with_capacity(2 + payload.len());
-        parts.push(IoSlice::new(&hdr));
-        if !body.is_empty() {
-            parts.push(IoSlice::new(body));
-        }
-        for b in payload.iter().filter(|b| b.len > 0) {
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(2 + payload.len());
+        parts.push(&hdr);
+        parts.push(body);
+        for b in payload {
             // SAFETY: the caller guarantees each Buf is valid for reads until this call returns.
-            parts.push(IoSlice::new(unsafe {
-                std::slice::from_raw_parts(b.ptr as *const u8, b.len)
-            }));
+            parts.push(unsafe { std::slice::from_raw_parts(b.ptr as *const u8, b.len) });
         }
-        write_all_vectored(&mut self.stream, &mut parts)?;
+        proto::io::write_all_vectored(&mut self.stream, &parts)?;
         let mut hb = [0u8; HEADER_LEN];
         self.stream.read_exact(&mut hb)?;
         let h = Header::decode(&hb)?;
@@ -176,17 +172,4 @@ impl Conn {
         }
         Ok(st.into_iter().map(|(s, _)| s).collect())
     }
-}
-
-fn write_all_vectored(w: &mut impl Write, mut parts: &mut [IoSlice]) -> io::Result<()> {
-    while !parts.is_empty() {
-        let n = parts.len().min(1024);
-        match w.write_vectored(&parts[..n]) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(k) => IoSlice::advance_slices(&mut parts, k),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }

@@ -1,9 +1,11 @@
 //! The memkv wire protocol: a fixed 32-byte frame header, then a control body (key tables,
-//! status tables), then an optional bulk payload (values, back to back). This crate only encodes
-//! and decodes bytes; it never touches sockets. `docs/protocol.md` is the prose version.
+//! status tables), then an optional bulk payload (values, back to back). This crate encodes and
+//! decodes bytes, plus one helper (`io`) that writes a frame's parts to any `Write`; it opens no
+//! sockets. `docs/protocol.md` is the prose version.
 
 pub mod body;
 pub mod header;
+pub mod io;
 
 pub use body::*;
 pub use header::*;

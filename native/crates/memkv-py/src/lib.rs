@@ -131,17 +131,10 @@ impl PyClient {
         sizes: Vec<usize>,
         owner: Option<Py<PyAny>>,
     ) -> PyResult<PyOp> {
-        let b = bufs(&keys, &ptrs, &sizes)?;
-        Ok(PyOp {
-            op: self.inner.submit(move |c| {
-                // SAFETY: `owner` (moved in here) keeps the memory alive until this returns.
-                let st = unsafe { c.put(&keys, &b) };
-                drop(owner);
-                OpResult::Statuses(st)
-            }),
-        })
+        self.submit_transfer(keys, ptrs, sizes, owner, true)
     }
 
+    /// Like get_into, on the I/O threads; `owner` as for submit_put.
     #[pyo3(signature = (keys, ptrs, sizes, owner=None))]
     fn submit_get_into(
         &self,
@@ -150,15 +143,7 @@ impl PyClient {
         sizes: Vec<usize>,
         owner: Option<Py<PyAny>>,
     ) -> PyResult<PyOp> {
-        let b = bufs(&keys, &ptrs, &sizes)?;
-        Ok(PyOp {
-            op: self.inner.submit(move |c| {
-                // SAFETY: as for submit_put.
-                let st = unsafe { c.get(&keys, &b) };
-                drop(owner);
-                OpResult::Statuses(st)
-            }),
-        })
+        self.submit_transfer(keys, ptrs, sizes, owner, false)
     }
 
     /// [(address, seconds or None, error or None)] per server.
@@ -188,6 +173,34 @@ impl PyClient {
     /// Index (in the configured list) of the server owning `key`.
     fn server_of(&self, key: &[u8]) -> usize {
         self.inner.server_of(key)
+    }
+}
+
+impl PyClient {
+    fn submit_transfer(
+        &self,
+        keys: Vec<Vec<u8>>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        owner: Option<Py<PyAny>>,
+        put: bool,
+    ) -> PyResult<PyOp> {
+        let b = bufs(&keys, &ptrs, &sizes)?;
+        Ok(PyOp {
+            op: self.inner.submit(move |c| {
+                // SAFETY: `owner` (moved in here) keeps the memory alive until the transfer is
+                // over; the Python wrapper checked writability for GET.
+                let st = unsafe {
+                    if put {
+                        c.put(&keys, &b)
+                    } else {
+                        c.get(&keys, &b)
+                    }
+                };
+                drop(owner);
+                OpResult::Statuses(st)
+            }),
+        })
     }
 }
 

@@ -4,7 +4,7 @@
 //! written straight from it, so the only copies are the kernel's. A protocol violation gets an
 //! error frame and the connection closes; the rest of the server is unaffected.
 
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, Read};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -307,13 +307,13 @@ impl Conn<'_> {
                 batch.push(c);
                 batched += c.len();
                 if batched >= SEND_BATCH {
-                    write_all_parts(&mut self.stream, &batch)?;
+                    proto::io::write_all_vectored(&mut self.stream, &batch)?;
                     batch.clear();
                     batched = 0;
                 }
             }
         }
-        write_all_parts(&mut self.stream, &batch)?;
+        proto::io::write_all_vectored(&mut self.stream, &batch)?;
         m.bytes_out.fetch_add(total, Ordering::Relaxed);
         Ok(())
     }
@@ -330,7 +330,7 @@ impl Conn<'_> {
         parts.push(&hdr);
         parts.push(body);
         parts.extend_from_slice(payload);
-        write_all_parts(&mut self.stream, &parts)
+        proto::io::write_all_vectored(&mut self.stream, &parts)
     }
 
     /// Fills `buf`. Waiting for the first byte of a frame (`at_frame_start`) may last forever
@@ -379,25 +379,4 @@ impl Conn<'_> {
         self.scratch = scratch;
         Ok(())
     }
-}
-
-/// `write_all` over several slices with vectored writes (header, body and values in one go).
-pub fn write_all_parts(w: &mut impl Write, parts: &[&[u8]]) -> io::Result<()> {
-    let mut slices: Vec<IoSlice> = parts
-        .iter()
-        .filter(|p| !p.is_empty())
-        .map(|p| IoSlice::new(p))
-        .collect();
-    let mut rest = &mut slices[..];
-    while !rest.is_empty() {
-        // Linux takes at most IOV_MAX (1024) slices per call.
-        let n = rest.len().min(1024);
-        match w.write_vectored(&rest[..n]) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(k) => IoSlice::advance_slices(&mut rest, k),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }

@@ -182,7 +182,7 @@ fn refuse(mut stream: TcpStream, msg: &str) {
     let body = proto::encode_error(ErrorCode::ShuttingDown, msg);
     let hdr = Header::new(Opcode::Error, 0, body.len(), 0).encode();
     let _ = stream.set_nonblocking(false);
-    let _ = conn::write_all_parts(&mut stream, &[&hdr, &body]);
+    let _ = proto::io::write_all_vectored(&mut stream, &[&hdr, &body]);
 }
 
 fn metrics_loop(http: tiny_http::Server, store: Arc<Store>, stop: Arc<AtomicBool>) {

@@ -1,0 +1,54 @@
+//! The one socket helper both sides share: writing a frame's parts with vectored writes.
+
+use std::io::{self, IoSlice, Write};
+
+/// `write_all` over several slices (header, body, values) with `writev`, at most IOV_MAX (1024)
+/// slices per call, resuming after partial writes.
+pub fn write_all_vectored(w: &mut impl Write, parts: &[&[u8]]) -> io::Result<()> {
+    let mut slices: Vec<IoSlice> = parts
+        .iter()
+        .filter(|p| !p.is_empty())
+        .map(|p| IoSlice::new(p))
+        .collect();
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        let n = rest.len().min(1024);
+        match w.write_vectored(&rest[..n]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(k) => IoSlice::advance_slices(&mut rest, k),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A writer that takes at most 3 bytes per call, to exercise partial writes.
+    struct Trickle(Vec<u8>);
+
+    impl Write for Trickle {
+        fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+            let n = b.len().min(3);
+            self.0.extend_from_slice(&b[..n]);
+            Ok(n)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn writes_every_part_in_order_across_partial_writes() {
+        let parts: Vec<Vec<u8>> = (0..2000u32)
+            .map(|i| vec![(i % 256) as u8; (i % 5) as usize])
+            .collect();
+        let refs: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
+        let mut w = Trickle(Vec::new());
+        write_all_vectored(&mut w, &refs).unwrap();
+        assert_eq!(w.0, parts.concat());
+    }
+}
