@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-# memkv's wire protocol caps a key at 512 bytes; keep names well below it.
+# memkv's wire protocol caps a key at 1024 bytes (MAX_KEY_LEN); keep names well below it.
 MAX_KEY_BYTES = 480
 # A model name longer than this is replaced by a readable tail plus a digest of the whole name.
 _MAX_MODEL_CHARS = 96
