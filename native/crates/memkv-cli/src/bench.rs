@@ -2,7 +2,7 @@
 //! the same run on the same machine: memcpy and raw loopback TCP (two threads, one socket, the
 //! same value size), and optionally a local Redis through the `redis` crate. GB/s = 1e9 B/s.
 
-use std::io::{IoSlice, Read, Write};
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -67,40 +67,44 @@ fn memcpy_ceiling(size: usize, volume: u64) -> f64 {
     gbps(n * size as u64, t.elapsed())
 }
 
-/// Raw loopback TCP ceiling: one sender thread writes an 8-byte length and the value with
-/// writev, one receiver reads it into a preallocated buffer (the same data path memkv uses).
-fn tcp_ceiling(size: usize, volume: u64) -> std::io::Result<f64> {
-    let l = TcpListener::bind("127.0.0.1:0")?;
-    let addr = l.local_addr()?;
-    let n = (volume / size as u64).max(2);
-    let rx = std::thread::spawn(move || -> std::io::Result<()> {
-        let (mut s, _) = l.accept()?;
-        let mut buf = vec![0u8; size];
-        let mut hdr = [0u8; 8];
-        for _ in 0..n {
-            s.read_exact(&mut hdr)?;
-            s.read_exact(&mut buf)?;
-        }
-        s.write_all(b"k")
-    });
-    let mut s = TcpStream::connect(addr)?;
-    s.set_nodelay(true)?;
-    let val = vec![3u8; size];
-    let t = Instant::now();
-    for _ in 0..n {
-        let hdr = (size as u64).to_le_bytes();
-        let mut parts = [IoSlice::new(&hdr), IoSlice::new(&val)];
-        let mut rest = &mut parts[..];
-        while !rest.is_empty() {
-            let k = s.write_vectored(rest)?;
-            IoSlice::advance_slices(&mut rest, k);
-        }
+/// Raw loopback TCP ceiling with `streams` sender/receiver thread pairs, one socket each: the
+/// sender writes an 8-byte length and the value with writev, the receiver reads it into a
+/// preallocated buffer (the data path memkv uses, with no store, protocol or round trip).
+fn tcp_ceiling(size: usize, volume: u64, streams: usize) -> std::io::Result<f64> {
+    let n = ((volume / size as u64) as usize / streams).max(2);
+    let mut pairs = Vec::with_capacity(streams);
+    for _ in 0..streams {
+        let l = TcpListener::bind("127.0.0.1:0")?;
+        let s = TcpStream::connect(l.local_addr()?)?;
+        s.set_nodelay(true)?;
+        pairs.push((l.accept()?.0, s));
     }
-    let mut ack = [0u8; 1];
-    s.read_exact(&mut ack)?;
-    let d = t.elapsed();
-    rx.join().unwrap()?;
-    Ok(gbps(n * size as u64, d))
+    let t = Instant::now();
+    std::thread::scope(|sc| -> std::io::Result<()> {
+        let mut hs = Vec::new();
+        for (mut rx, mut tx) in pairs {
+            hs.push(sc.spawn(move || -> std::io::Result<()> {
+                let mut buf = vec![0u8; size];
+                let mut hdr = [0u8; 8];
+                for _ in 0..n {
+                    rx.read_exact(&mut hdr)?;
+                    rx.read_exact(&mut buf)?;
+                }
+                rx.write_all(b"k")
+            }));
+            hs.push(sc.spawn(move || -> std::io::Result<()> {
+                let val = vec![3u8; size];
+                let hdr = (size as u64).to_le_bytes();
+                for _ in 0..n {
+                    memkv_proto::io::write_all_vectored(&mut tx, &[&hdr, &val])?;
+                }
+                let mut ack = [0u8; 1];
+                tx.read_exact(&mut ack)
+            }));
+        }
+        hs.into_iter().try_for_each(|h| h.join().unwrap())
+    })?;
+    Ok(gbps((n * streams * size) as u64, t.elapsed()))
 }
 
 /// memkv put or get throughput for `threads` threads, each with its own keys and buffers.
@@ -340,10 +344,10 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
     for &size in &sizes {
         let rep = a.repeat.max(1);
         let mc = best(rep, || Ok(memcpy_ceiling(size, volume)))?;
-        let tcp = best(rep, || {
-            tcp_ceiling(size, volume).map_err(|e| format!("tcp ceiling: {e}"))
-        })?;
         for &th in &a.threads {
+            let tcp = best(rep, || {
+                tcp_ceiling(size, volume, th).map_err(|e| format!("tcp ceiling: {e}"))
+            })?;
             let p = best(rep, || {
                 Ok(memkv_point(&client, size, th, volume, "m", true))
             })?;
