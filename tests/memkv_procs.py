@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,19 +11,18 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def memkv_command() -> list[str]:
-    """The server command: $MEMKV_BIN, the cargo-built binary, or the wheel's console script."""
+    """The server command: $MEMKV_BIN if set, else the `memkv` of the interpreter running the tests
+    (the wheel's console script, always the build just installed), else that module directly.
+    A cargo-built native/target/release/memkv is used only through MEMKV_BIN, so a stale one
+    cannot be tested by accident."""
     if os.environ.get("MEMKV_BIN"):
         return [os.environ["MEMKV_BIN"]]
-    built = ROOT / "native" / "target" / "release" / "memkv"
-    if built.exists():
-        return [str(built)]
-    script = shutil.which("memkv")
-    if script:
-        return [script]
+    script = Path(sys.executable).parent / "memkv"
+    if script.exists():
+        return [str(script)]
     return [sys.executable, "-m", "memkv_vllm.cli"]
 
 
