@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 
-
 def memkv_command() -> list[str]:
     """The server command: $MEMKV_BIN if set, else the `memkv` of the interpreter running the tests
     (the wheel's console script, always the build just installed), else that module directly.
