@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 pytest.importorskip("vllm", reason="e2e tests need vLLM (use a venv from scripts/setup-vllm.sh)")
 
@@ -79,10 +80,23 @@ def metric(res: dict, name: str, **labels: str) -> float | None:
     return total if seen else None
 
 
+def offline_metric_exact(res: dict, name: str) -> bool:
+    """Whether this vLLM's offline LLM.get_metrics() reports `name` exactly for our requests.
+
+    Upstream bugs, seen on real runs (tox matrix, 2026-11-29): 0.25 omits the offload/tier
+    metrics and the external hits of a request that waited for remote KV; 0.26 and 0.27 report
+    the tier metrics but still count those external hits as 0. The API server's /metrics is
+    exact everywhere and is checked in test_online_engine_reports_the_memkv_hits_in_its_metrics.
+    """
+    v = Version(res["vllm"].split("+")[0])
+    if v < Version("0.26"):
+        return False
+    return not (name == "vllm:external_prefix_cache_hits" and v < Version("0.28"))
+
+
 def assert_metric(res: dict, name: str, expected: float, **labels: str) -> None:
-    if res["vllm"].startswith("0.25"):
-        return  # see metric(): this vLLM's offline counters miss exactly these requests
-    assert metric(res, name, **labels) == expected, (name, labels)
+    if offline_metric_exact(res, name):
+        assert metric(res, name, **labels) == expected, (name, labels)
 
 
 @pytest.fixture(scope="module")
