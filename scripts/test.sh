@@ -7,7 +7,8 @@
 #   4. runs pytest on tests/ in .venv (fixtures start real `memkv` servers on free loopback ports;
 #      nothing is started by hand; tests that need vLLM skip themselves there),
 #   5. for each vLLM venv made by scripts/setup-vllm.sh (.venv-vllm, .venv-vllm-0.25) that exists:
-#      installs memkv-vllm into it and runs tests/tier and tests/e2e with real vLLM.
+#      installs memkv-vllm into it and runs tests/tier, tests/e2e (real vLLM) and the torch
+#      round trips (tests/test_client_torch.py) there.
 #
 # Options: --no-rust (skip step 2), --no-e2e (skip step 5), --setup (only step 1),
 #          anything after `--` goes to every pytest call (e.g. -- -k config -x).
@@ -31,7 +32,7 @@ while (($#)); do
     --no-e2e) run_e2e=0 ;;
     --setup) setup_only=1 ;;
     --) shift; PYTEST_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "test.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -113,7 +114,8 @@ step "pytest tests/ (.venv)" "$VENV/bin/python" -m pytest tests -ra "${PYTEST_AR
 # shellcheck disable=SC2329  # invoked through step
 e2e_in() {  # e2e_in <venv>
   local venv="$1" dirs=() d
-  for d in tests/tier tests/e2e; do [[ -d $d ]] && dirs+=("$d"); done
+  # The torch round trips need torch, which only the vLLM venvs have.
+  for d in tests/tier tests/e2e tests/test_client_torch.py; do [[ -e $d ]] && dirs+=("$d"); done
   ((${#dirs[@]})) || { echo "no tests/tier or tests/e2e yet"; return 5; }
   # maturin develop installs editable: the extension lives in the source tree (built above), so
   # this only refreshes the metadata (entry point for vLLM's plugin loader) in the vLLM venv.
@@ -134,7 +136,7 @@ elif ((run_e2e)); then
   for v in "${VLLM_VENVS[@]}"; do
     if [[ -x "$ROOT/$v/bin/python" ]] && "$ROOT/$v/bin/python" -c 'import vllm' 2>/dev/null; then
       found=1
-      step "pytest tests/tier tests/e2e ($v)" e2e_in "$ROOT/$v"
+      step "pytest tests/tier tests/e2e torch ($v)" e2e_in "$ROOT/$v"
     fi
   done
   if ((found == 0)); then
