@@ -92,10 +92,7 @@ impl PyClient {
         ptrs: Vec<usize>,
         sizes: Vec<usize>,
     ) -> PyResult<Vec<u8>> {
-        let b = bufs(&keys, &ptrs, &sizes)?;
-        let c = &self.inner;
-        // SAFETY: the Python caller holds the owning objects for the duration of this call.
-        Ok(codes(&py.detach(|| unsafe { c.put(&keys, &b) })))
+        self.transfer(py, keys, ptrs, sizes, true)
     }
 
     /// Reads into caller memory. A buffer is written only when its key's status is 0.
@@ -106,10 +103,7 @@ impl PyClient {
         ptrs: Vec<usize>,
         sizes: Vec<usize>,
     ) -> PyResult<Vec<u8>> {
-        let b = bufs(&keys, &ptrs, &sizes)?;
-        let c = &self.inner;
-        // SAFETY: as for put; the wrapper checked the buffers are writable.
-        Ok(codes(&py.detach(|| unsafe { c.get(&keys, &b) })))
+        self.transfer(py, keys, ptrs, sizes, false)
     }
 
     #[pyo3(signature = (keys, lease_ms=0))]
@@ -177,6 +171,28 @@ impl PyClient {
 }
 
 impl PyClient {
+    /// Blocking put or get with the GIL released.
+    fn transfer(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Vec<u8>>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        put: bool,
+    ) -> PyResult<Vec<u8>> {
+        let b = bufs(&keys, &ptrs, &sizes)?;
+        let c = &self.inner;
+        // SAFETY: the Python caller holds the owning objects for the duration of this blocking
+        // call; the wrapper checked writability for GET.
+        Ok(codes(&py.detach(|| unsafe {
+            if put {
+                c.put(&keys, &b)
+            } else {
+                c.get(&keys, &b)
+            }
+        })))
+    }
+
     fn submit_transfer(
         &self,
         keys: Vec<Vec<u8>>,
