@@ -108,50 +108,40 @@ fn tcp_ceiling(size: usize, volume: u64, streams: usize) -> std::io::Result<f64>
 }
 
 /// memkv put or get throughput for `threads` threads, each with its own keys and buffers.
-fn memkv_point(
-    client: &Arc<Client>,
-    size: usize,
-    threads: usize,
-    volume: u64,
-    tag: &str,
-    put: bool,
-) -> f64 {
+fn memkv_point(client: &Arc<Client>, size: usize, threads: usize, volume: u64, put: bool) -> f64 {
     let per_thread = ((volume / size as u64) as usize / threads).max(1);
     // Keys per thread that fit the store comfortably; they are overwritten round-robin.
     let distinct = 4usize;
-    let run = |put: bool| {
-        let t = Instant::now();
-        std::thread::scope(|sc| {
-            for th in 0..threads {
-                sc.spawn(move || {
-                    let mut buf = vec![th as u8; size];
-                    for i in 0..per_thread {
-                        let key = format!("bench/{tag}/{size}/{th}/{}", i % distinct).into_bytes();
-                        let b = Buf {
-                            ptr: buf.as_mut_ptr() as usize,
-                            len: size,
-                        };
-                        // SAFETY: `buf` outlives the call and is used by this thread alone.
-                        let st = unsafe {
-                            if put {
-                                client.put(&[key], &[b])
-                            } else {
-                                client.get(&[key], &[b])
-                            }
-                        };
-                        assert_eq!(
-                            st[0],
-                            Status::Ok,
-                            "bench {} failed",
-                            if put { "put" } else { "get" }
-                        );
-                    }
-                });
-            }
-        });
-        gbps((per_thread * threads * size) as u64, t.elapsed())
-    };
-    run(put)
+    let t = Instant::now();
+    std::thread::scope(|sc| {
+        for th in 0..threads {
+            sc.spawn(move || {
+                let mut buf = vec![th as u8; size];
+                for i in 0..per_thread {
+                    let key = format!("bench/m/{size}/{th}/{}", i % distinct).into_bytes();
+                    let b = Buf {
+                        ptr: buf.as_mut_ptr() as usize,
+                        len: size,
+                    };
+                    // SAFETY: `buf` outlives the call and is used by this thread alone.
+                    let st = unsafe {
+                        if put {
+                            client.put(&[key], &[b])
+                        } else {
+                            client.get(&[key], &[b])
+                        }
+                    };
+                    assert_eq!(
+                        st[0],
+                        Status::Ok,
+                        "bench {} failed",
+                        if put { "put" } else { "get" }
+                    );
+                }
+            });
+        }
+    });
+    gbps((per_thread * threads * size) as u64, t.elapsed())
 }
 
 /// Median latency of a batched EXISTS of 1,000 keys.
@@ -241,43 +231,40 @@ fn redis_point(
     put: bool,
 ) -> Result<f64, String> {
     let per_thread = ((volume / size as u64) as usize / threads).max(1);
-    let run = |put: bool| -> Result<f64, String> {
-        let t = Instant::now();
-        std::thread::scope(|sc| {
-            let hs: Vec<_> = (0..threads)
-                .map(|th| {
-                    sc.spawn(move || -> Result<(), String> {
-                        let mut c = redis::Client::open(url)
-                            .and_then(|c| c.get_connection())
-                            .map_err(|e| e.to_string())?;
-                        let val = vec![th as u8; size];
-                        for i in 0..per_thread {
-                            let key = format!("bench/{size}/{th}/{}", i % 4);
-                            if put {
-                                redis::cmd("SET")
-                                    .arg(&key)
-                                    .arg(&val[..])
-                                    .query::<()>(&mut c)
-                                    .map_err(|e| e.to_string())?;
-                            } else {
-                                let v: Vec<u8> = redis::cmd("GET")
-                                    .arg(&key)
-                                    .query(&mut c)
-                                    .map_err(|e| e.to_string())?;
-                                if v.len() != size {
-                                    return Err("redis returned a wrong length".into());
-                                }
+    let t = Instant::now();
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..threads)
+            .map(|th| {
+                sc.spawn(move || -> Result<(), String> {
+                    let mut c = redis::Client::open(url)
+                        .and_then(|c| c.get_connection())
+                        .map_err(|e| e.to_string())?;
+                    let val = vec![th as u8; size];
+                    for i in 0..per_thread {
+                        let key = format!("bench/{size}/{th}/{}", i % 4);
+                        if put {
+                            redis::cmd("SET")
+                                .arg(&key)
+                                .arg(&val[..])
+                                .query::<()>(&mut c)
+                                .map_err(|e| e.to_string())?;
+                        } else {
+                            let v: Vec<u8> = redis::cmd("GET")
+                                .arg(&key)
+                                .query(&mut c)
+                                .map_err(|e| e.to_string())?;
+                            if v.len() != size {
+                                return Err("redis returned a wrong length".into());
                             }
                         }
-                        Ok(())
-                    })
+                    }
+                    Ok(())
                 })
-                .collect();
-            hs.into_iter().try_for_each(|h| h.join().unwrap())
-        })?;
-        Ok(gbps((per_thread * threads * size) as u64, t.elapsed()))
-    };
-    run(put)
+            })
+            .collect();
+        hs.into_iter().try_for_each(|h| h.join().unwrap())
+    })?;
+    Ok(gbps((per_thread * threads * size) as u64, t.elapsed()))
 }
 
 pub fn run(a: BenchArgs) -> Result<i32, String> {
@@ -348,12 +335,8 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
             let tcp = best(rep, || {
                 tcp_ceiling(size, volume, th).map_err(|e| format!("tcp ceiling: {e}"))
             })?;
-            let p = best(rep, || {
-                Ok(memkv_point(&client, size, th, volume, "m", true))
-            })?;
-            let g = best(rep, || {
-                Ok(memkv_point(&client, size, th, volume, "m", false))
-            })?;
+            let p = best(rep, || Ok(memkv_point(&client, size, th, volume, true)))?;
+            let g = best(rep, || Ok(memkv_point(&client, size, th, volume, false)))?;
             let mut line = format!(
                 "{:>7}M {:>3} | {:>7.2} {:>7.2} | {:>7.2} {:>7.2} | {:>6.0}% {:>6.0}% |",
                 size >> 20,
