@@ -28,15 +28,21 @@ class Api028(Api026):
             f.name for f in dataclasses.fields(tb.JobResult)
         }
 
+    # JobResult.transfer_bytes exists from 0.31 on (it feeds the back-pressure detector).
+    result_has_transfer_bytes = False
+
     def job_result(self, job_id: int, success: bool, *,
                    successful_keys: Collection[bytes] | None = None,
                    transfer_time: float | None = None,
                    transfer_bytes: int | None = None) -> Any:
-        return self.tb.JobResult(
-            job_id=job_id, success=success,
-            successful_keys=None if success else successful_keys,
-            transfer_time=transfer_time,
-        )
+        fields: dict[str, Any] = {
+            "job_id": job_id, "success": success,
+            "successful_keys": None if success else successful_keys,
+            "transfer_time": transfer_time,
+        }
+        if self.result_has_transfer_bytes:
+            fields["transfer_bytes"] = transfer_bytes
+        return self.tb.JobResult(**fields)
 
     def region_worker_view(self, region: Any, nbytes: int) -> Any:
         return region.create_next_worker_view(nbytes)

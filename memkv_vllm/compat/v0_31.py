@@ -8,7 +8,6 @@ feeds that detector. 0.31 also stopped calling `touch()`, which this tier does n
 from __future__ import annotations
 
 import inspect
-from collections.abc import Collection
 from typing import Any
 
 from memkv_vllm.compat.v0_30 import Api030
@@ -16,6 +15,7 @@ from memkv_vllm.compat.v0_30 import Api030
 
 class Api031(Api030):
     name = "0.31"
+    result_has_transfer_bytes = True
 
     @staticmethod
     def probe() -> bool:
@@ -29,12 +29,3 @@ class Api031(Api030):
     def tier_base_kwargs(self, backpressure_detector: Any) -> dict[str, Any]:
         return {"backpressure_detector": backpressure_detector}
 
-    def job_result(self, job_id: int, success: bool, *,
-                   successful_keys: Collection[bytes] | None = None,
-                   transfer_time: float | None = None,
-                   transfer_bytes: int | None = None) -> Any:
-        return self.tb.JobResult(
-            job_id=job_id, success=success,
-            successful_keys=None if success else successful_keys,
-            transfer_time=transfer_time, transfer_bytes=transfer_bytes,
-        )
