@@ -85,12 +85,6 @@ pub struct Lane {
     evictions: std::sync::atomic::AtomicU64,
 }
 
-/// Result of a lookup for GET: the value (kept alive while it is sent) or why not.
-pub enum Fetched {
-    Found(Arc<Value>),
-    Missing,
-}
-
 impl Lane {
     pub fn new(bytes: usize, max_leased_fraction: f64) -> std::io::Result<Lane> {
         let mem = LaneMemory::new(bytes)?;
@@ -200,18 +194,16 @@ impl Lane {
 
     /// GET: takes a reference to the value (so eviction cannot free it mid-send), counts the
     /// access for S3-FIFO and releases any lease on it.
-    pub fn fetch(&self, key: &[u8]) -> Fetched {
+    pub fn fetch(&self, key: &[u8]) -> Option<Arc<Value>> {
         let mut guard = self.inner.lock().unwrap();
         let inner = &mut *guard;
         expire_leases(inner, Instant::now());
-        let Some(e) = inner.index.get_mut(key) else {
-            return Fetched::Missing;
-        };
+        let e = inner.index.get_mut(key)?;
         e.freq = (e.freq + 1).min(3);
         if e.lease_until.take().is_some() {
             inner.leased_bytes -= e.value.span.len();
         }
-        Fetched::Found(e.value.clone())
+        Some(e.value.clone())
     }
 
     /// Drops `key` if it still holds `value` (used after a checksum mismatch).
@@ -380,7 +372,7 @@ mod tests {
         }
         // Read k0 and k1 so they are promoted instead of evicted.
         for k in ["k0", "k1"] {
-            assert!(matches!(l.fetch(k.as_bytes()), Fetched::Found(_)));
+            assert!(l.fetch(k.as_bytes()).is_some());
         }
         assert_eq!(put(&l, "new1", 1024), Status::Ok);
         assert_eq!(put(&l, "new2", 1024), Status::Ok);
@@ -400,8 +392,8 @@ mod tests {
         }
         assert_eq!(l.exists(b"a", Duration::from_secs(60)).0, Status::Ok);
         let held = match l.fetch(b"b") {
-            Fetched::Found(v) => v,
-            Fetched::Missing => panic!("b missing"),
+            Some(v) => v,
+            None => panic!("b missing"),
         };
         put(&l, "e", 1024);
         put(&l, "f", 1024);

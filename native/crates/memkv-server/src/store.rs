@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use memkv_proto::Status;
 
-use crate::lane::{Fetched, Lane, LaneStats, Reservation, Value};
+use crate::lane::{Lane, LaneStats, Reservation, Value};
 use crate::metrics::Metrics;
 use std::sync::Arc;
 
@@ -55,9 +55,9 @@ impl Store {
     /// verifies every later chunk right before sending it (see `conn::Conn::get`).
     pub fn fetch_verified(&self, key: &[u8]) -> Result<Arc<Value>, Status> {
         match self.lane(key).fetch(key) {
-            Fetched::Missing => Err(Status::NotFound),
-            Fetched::Found(v) if v.chunk_ok(0) => Ok(v),
-            Fetched::Found(v) => {
+            None => Err(Status::NotFound),
+            Some(v) if v.chunk_ok(0) => Ok(v),
+            Some(v) => {
                 self.drop_corrupt(key, &v);
                 Err(Status::Corrupt)
             }
