@@ -167,6 +167,9 @@ def test_metrics_endpoint_speaks_prometheus(memkv_server_factory):
     assert metrics["memkv_puts_total"] == "2" and metrics["memkv_items"] == "2"
     assert metrics['memkv_errors_total{kind="auth_failed"}'] == "0"
     assert int(metrics["memkv_memory_capacity_bytes"]) == 256 << 20
+    assert int(metrics["memkv_connections_accepted_total"]) >= 1
+    assert int(metrics["memkv_connections"]) >= 1
+    assert not [n for n in metrics if n.endswith("_total_total")]
 
 
 def test_sigterm_drains_and_exits_cleanly(memkv_server):

@@ -31,7 +31,7 @@ pub struct Metrics {
     pub leases_granted: AtomicU64,
     pub leases_denied: AtomicU64,
     pub connections: AtomicU64,
-    pub connections_total: AtomicU64,
+    pub connections_accepted: AtomicU64,
     pub requests: AtomicU64,
     errors: [AtomicU64; ERROR_KINDS.len()],
 }
@@ -50,7 +50,7 @@ impl Metrics {
             .map_or(0, |i| self.errors[i].load(Relaxed))
     }
 
-    fn counters(&self) -> [(&'static str, &'static str, u64); 13] {
+    fn counters(&self) -> [(&'static str, &'static str, u64); 12] {
         [
             ("hits", "GET keys served", self.hits.load(Relaxed)),
             (
@@ -91,16 +91,11 @@ impl Metrics {
                 self.leases_denied.load(Relaxed),
             ),
             (
-                "connections_total",
+                "connections_accepted",
                 "connections accepted",
-                self.connections_total.load(Relaxed),
+                self.connections_accepted.load(Relaxed),
             ),
             ("requests", "frames handled", self.requests.load(Relaxed)),
-            (
-                "connections",
-                "open connections",
-                self.connections.load(Relaxed),
-            ),
         ]
     }
 
@@ -115,6 +110,7 @@ impl Metrics {
             .map(|k| (k.to_string(), self.errors(k).into()))
             .collect();
         m.insert("errors".into(), errors.into());
+        m.insert("connections".into(), self.connections.load(Relaxed).into());
         m.insert("evictions".into(), lanes.evictions.into());
         m.insert("items".into(), lanes.items.into());
         m.insert("memory_used_bytes".into(), lanes.used_bytes.into());
@@ -127,12 +123,8 @@ impl Metrics {
     pub fn to_prometheus(&self, lanes: &LaneStats) -> String {
         let mut s = String::new();
         for (name, help, v) in self.counters() {
-            let (full, kind) = if name == "connections" {
-                ("memkv_connections".to_string(), "gauge")
-            } else {
-                (format!("memkv_{name}_total"), "counter")
-            };
-            let _ = writeln!(s, "# HELP {full} {help}\n# TYPE {full} {kind}\n{full} {v}");
+            let full = format!("memkv_{name}_total");
+            let _ = writeln!(s, "# HELP {full} {help}\n# TYPE {full} counter\n{full} {v}");
         }
         let _ = writeln!(
             s,
@@ -149,6 +141,12 @@ impl Metrics {
                 lanes.evictions,
             ),
             ("memkv_items", "values stored", "gauge", lanes.items),
+            (
+                "memkv_connections",
+                "open connections",
+                "gauge",
+                self.connections.load(Relaxed),
+            ),
             (
                 "memkv_memory_used_bytes",
                 "value memory in use",

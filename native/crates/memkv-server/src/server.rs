@@ -163,7 +163,7 @@ fn accept_loop(listener: TcpListener, ctx: Arc<ConnCtx>, max_conn: usize) {
         }
         let _ = stream.set_nonblocking(false);
         m.connections.fetch_add(1, Ordering::SeqCst);
-        m.connections_total.fetch_add(1, Ordering::Relaxed);
+        m.connections_accepted.fetch_add(1, Ordering::Relaxed);
         let ctx = ctx.clone();
         let spawned = std::thread::Builder::new()
             .name("memkv-conn".into())
