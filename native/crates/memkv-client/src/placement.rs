@@ -3,14 +3,14 @@
 //! Every client computes the same owner from the same list with no coordination; adding a server
 //! moves only the keys the new server wins (about 1/N), and removing one moves only its own keys.
 
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use twox_hash::XxHash3_64;
 
 /// Index of the server in `servers` that owns `key`. Servers are identified by their address
 /// string, so the order of the list does not matter.
 pub fn rendezvous<S: AsRef<str>>(key: &[u8], servers: &[S]) -> usize {
     let mut best = (0u64, 0usize);
     for (i, s) in servers.iter().enumerate() {
-        let score = xxh3_64_with_seed(key, xxh3_64(s.as_ref().as_bytes()));
+        let score = XxHash3_64::oneshot_with_seed(XxHash3_64::oneshot(s.as_ref().as_bytes()), key);
         if i == 0 || score > best.0 {
             best = (score, i);
         }

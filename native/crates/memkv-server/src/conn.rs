@@ -19,7 +19,7 @@ use crate::lane::Value;
 use crate::store::Store;
 
 /// GET replies are written in batches of verified chunks of about this size.
-const SEND_BATCH: usize = 4 << 20;
+const SEND_BATCH: usize = 1 << 20;
 
 /// How often a blocked read wakes up to look at the shutdown flag.
 const POLL: Duration = Duration::from_millis(200);

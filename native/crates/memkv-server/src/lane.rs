@@ -324,7 +324,7 @@ impl Lane {
 }
 
 fn ghost_hash(key: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64_with_seed(key, 0x67_686f_7374)
+    twox_hash::XxHash3_64::oneshot_with_seed(0x67_686f_7374, key)
 }
 
 fn expire_leases(inner: &mut Inner, now: Instant) {

@@ -31,7 +31,7 @@ impl Store {
     }
 
     fn lane(&self, key: &[u8]) -> &Lane {
-        let h = xxhash_rust::xxh3::xxh3_64(key);
+        let h = twox_hash::XxHash3_64::oneshot(key);
         &self.lanes[(h % self.lanes.len() as u64) as usize]
     }
 
