@@ -32,6 +32,10 @@ pub struct BenchArgs {
     /// Memory of the in-process server.
     #[arg(long, default_value = "2G")]
     memory: String,
+    /// Keys each client thread overwrites round-robin; the TCP ceiling's receiver writes into as
+    /// many buffers, so both move the same bytes into the same amount of memory.
+    #[arg(long, default_value_t = 4)]
+    keys: usize,
     /// Rounds per point, each measuring the TCP ceiling and every system once; the best round of
     /// each is reported.
     #[arg(long, default_value_t = 3)]
@@ -69,9 +73,10 @@ fn memcpy_ceiling(size: usize, volume: u64) -> f64 {
 }
 
 /// Raw loopback TCP ceiling with `streams` sender/receiver thread pairs, one socket each: the
-/// sender writes an 8-byte length and the value with writev, the receiver reads it into a
-/// preallocated buffer (the data path memkv uses, with no store, protocol or round trip).
-fn tcp_ceiling(size: usize, volume: u64, streams: usize) -> std::io::Result<f64> {
+/// sender writes an 8-byte length and the value with writev, the receiver reads each value into
+/// the next of `keys` preallocated buffers, as the store writes each of a thread's `keys` keys
+/// into memory of its own (the data path memkv uses, with no store, protocol or round trip).
+fn tcp_ceiling(size: usize, volume: u64, streams: usize, keys: usize) -> std::io::Result<f64> {
     let n = ((volume / size as u64) as usize / streams).max(2);
     let mut pairs = Vec::with_capacity(streams);
     for _ in 0..streams {
@@ -85,11 +90,12 @@ fn tcp_ceiling(size: usize, volume: u64, streams: usize) -> std::io::Result<f64>
         let mut hs = Vec::new();
         for (mut rx, mut tx) in pairs {
             hs.push(sc.spawn(move || -> std::io::Result<()> {
-                let mut buf = vec![0u8; size];
+                let mut bufs = vec![vec![0u8; size]; keys.max(1)];
                 let mut hdr = [0u8; 8];
-                for _ in 0..n {
+                for i in 0..n {
                     rx.read_exact(&mut hdr)?;
-                    rx.read_exact(&mut buf)?;
+                    let k = i % bufs.len();
+                    rx.read_exact(&mut bufs[k])?;
                 }
                 rx.write_all(b"k")
             }));
@@ -108,18 +114,50 @@ fn tcp_ceiling(size: usize, volume: u64, streams: usize) -> std::io::Result<f64>
     Ok(gbps((n * streams * size) as u64, t.elapsed()))
 }
 
+/// Median round trip of a 32-byte ping-pong over loopback TCP: the floor under any request/reply
+/// exchange, so a one-value-per-request client can reach at most `t / (t + rtt)` of a stream that
+/// needs `t` per value.
+fn tcp_rtt() -> std::io::Result<Duration> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let mut c = TcpStream::connect(l.local_addr()?)?;
+    let mut s = l.accept()?.0;
+    c.set_nodelay(true)?;
+    s.set_nodelay(true)?;
+    let echo = std::thread::spawn(move || {
+        let mut b = [0u8; 32];
+        while s.read_exact(&mut b).is_ok() && s.write_all(&b).is_ok() {}
+    });
+    let mut b = [0u8; 32];
+    let mut lat = Vec::with_capacity(2001);
+    for _ in 0..2001 {
+        let t = Instant::now();
+        c.write_all(&b)?;
+        c.read_exact(&mut b)?;
+        lat.push(t.elapsed());
+    }
+    drop(c);
+    let _ = echo.join();
+    lat.sort();
+    Ok(lat[lat.len() / 2])
+}
+
 /// memkv put or get throughput for `threads` threads, each with its own keys and buffers.
-fn memkv_point(client: &Arc<Client>, size: usize, threads: usize, volume: u64, put: bool) -> f64 {
+fn memkv_point(
+    client: &Arc<Client>,
+    size: usize,
+    threads: usize,
+    keys: usize,
+    volume: u64,
+    put: bool,
+) -> f64 {
     let per_thread = ((volume / size as u64) as usize / threads).max(1);
-    // Keys per thread that fit the store comfortably; they are overwritten round-robin.
-    let distinct = 4usize;
     let t = Instant::now();
     std::thread::scope(|sc| {
         for th in 0..threads {
             sc.spawn(move || {
                 let mut buf = vec![th as u8; size];
                 for i in 0..per_thread {
-                    let key = format!("bench/m/{size}/{th}/{}", i % distinct).into_bytes();
+                    let key = format!("bench/m/{size}/{th}/{}", i % keys.max(1)).into_bytes();
                     let b = Buf {
                         ptr: buf.as_mut_ptr() as usize,
                         len: size,
@@ -228,6 +266,7 @@ fn redis_point(
     url: &str,
     size: usize,
     threads: usize,
+    keys: usize,
     volume: u64,
     put: bool,
 ) -> Result<f64, String> {
@@ -242,7 +281,7 @@ fn redis_point(
                         .map_err(|e| e.to_string())?;
                     let val = vec![th as u8; size];
                     for i in 0..per_thread {
-                        let key = format!("bench/{size}/{th}/{}", i % 4);
+                        let key = format!("bench/{size}/{th}/{}", i % keys.max(1));
                         if put {
                             redis::cmd("SET")
                                 .arg(&key)
@@ -311,6 +350,11 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         "memkv bench: servers {servers}, {cpus} CPUs, {} per point, GB/s = 1e9 B/s",
         a.volume
     );
+    let rtt = tcp_rtt().map_err(|e| format!("tcp round trip: {e}"))?;
+    println!(
+        "loopback TCP round trip (32-byte ping-pong, median of 2001): {:.1} us",
+        rtt.as_secs_f64() * 1e6
+    );
     println!(
         "{:>8} {:>3} | {:>7} {:>7} | {:>7} {:>7} | {:>7} {:>7} | {:>9} {:>9}{}",
         "value",
@@ -338,15 +382,16 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
             let mut b = [0f64; 5];
             for _ in 0..rep {
                 let round = [
-                    tcp_ceiling(size, volume, th).map_err(|e| format!("tcp ceiling: {e}"))?,
-                    memkv_point(&client, size, th, volume, true),
-                    memkv_point(&client, size, th, volume, false),
+                    tcp_ceiling(size, volume, th, a.keys)
+                        .map_err(|e| format!("tcp ceiling: {e}"))?,
+                    memkv_point(&client, size, th, a.keys, volume, true),
+                    memkv_point(&client, size, th, a.keys, volume, false),
                     match &redis {
-                        Some(r) => redis_point(&r.url, size, th, volume, true)?,
+                        Some(r) => redis_point(&r.url, size, th, a.keys, volume, true)?,
                         None => 0.0,
                     },
                     match &redis {
-                        Some(r) => redis_point(&r.url, size, th, volume, false)?,
+                        Some(r) => redis_point(&r.url, size, th, a.keys, volume, false)?,
                         None => 0.0,
                     },
                 ];

@@ -17,6 +17,7 @@ use memkv_proto::{
 
 use crate::lane::Value;
 use crate::store::Store;
+use crate::verify::Verifier;
 
 /// GET replies are written in batches of verified chunks of about this size.
 const SEND_BATCH: usize = 1 << 20;
@@ -30,6 +31,7 @@ pub struct ConnCtx {
     pub shutdown: Arc<AtomicBool>,
     /// Longest a frame may take to arrive once it started, and a reply to be taken by the peer.
     pub frame_timeout: Duration,
+    pub verifier: Verifier,
 }
 
 /// Why a connection ends early; `Proto` and `Refused` are answered with an error frame first.
@@ -261,11 +263,12 @@ impl Conn<'_> {
         self.reply(h, &proto::encode_statuses(&st), &[])
     }
 
-    /// GET: each chunk of each value is verified against its checksum right before it is sent,
-    /// so no byte other than those stored ever leaves. The first chunk (all of a value up to
-    /// 1 MiB) is checked before the reply starts and a mismatch there answers `Corrupt`; a
-    /// mismatch in a later chunk drops the value and aborts the connection, which the client
-    /// sees as a miss. Values stay referenced (not freed by eviction) until sent.
+    /// GET: no chunk of a value is sent before it matched its checksum, so no byte other than
+    /// those stored ever leaves. The first chunk (all of a value up to 1 MiB) is checked before
+    /// the reply starts and a mismatch there answers `Corrupt`; each later chunk is checked by the
+    /// verifier pool while the chunk before it is sent, and a mismatch drops the value and aborts
+    /// the connection, which the client sees as a miss. Values stay referenced (not freed by
+    /// eviction) until sent.
     fn get(&mut self, h: &Header, body: &[u8]) -> Result<(), End> {
         let items = proto::decode_key_lens(body)?;
         let store = &*self.ctx.store;
@@ -292,25 +295,38 @@ impl Conn<'_> {
         let total: u64 = vals.iter().map(|(_, v)| v.span.len()).sum();
         let table = proto::encode_status_lens(&st);
         let hdr = Header::new(h.opcode.reply(), h.request_id, table.len(), total).encode();
+        // Send order: every chunk of every value. Chunk 0 of each was verified above; each later
+        // chunk is checked by the verifier pool while the chunk before it is being sent.
+        let order: Vec<(usize, usize)> = vals
+            .iter()
+            .enumerate()
+            .flat_map(|(k, (_, v))| (0..v.chunks()).map(move |i| (k, i)))
+            .collect();
+        let mut later = order.iter().filter(|(_, i)| *i > 0);
+        let verifier = &self.ctx.verifier;
+        let mut ahead = later.next().map(|&(k, i)| verifier.check(&vals[k].1, i));
         // The header and table go out with the first batch of verified chunks.
         let mut batch: Vec<&[u8]> = vec![&hdr, &table];
         let mut batched = 0;
-        for (key, v) in &vals {
-            for i in 0..v.chunks() {
-                if i > 0 && !v.chunk_ok(i) {
+        for &(k, i) in &order {
+            let (key, v) = &vals[k];
+            if i > 0 {
+                let ok = ahead.take().is_some_and(|p| p.ok());
+                ahead = later.next().map(|&(k, i)| verifier.check(&vals[k].1, i));
+                if !ok {
                     store.drop_corrupt(key, v);
                     return Err(End::Io(io::Error::other(
                         "checksum mismatch mid-value; reply aborted",
                     )));
                 }
-                let c = v.chunk(i);
-                batch.push(c);
-                batched += c.len();
-                if batched >= SEND_BATCH {
-                    proto::io::write_all_vectored(&mut self.stream, &batch)?;
-                    batch.clear();
-                    batched = 0;
-                }
+            }
+            let c = v.chunk(i);
+            batch.push(c);
+            batched += c.len();
+            if batched >= SEND_BATCH {
+                proto::io::write_all_vectored(&mut self.stream, &batch)?;
+                batch.clear();
+                batched = 0;
             }
         }
         proto::io::write_all_vectored(&mut self.stream, &batch)?;

@@ -10,6 +10,7 @@ pub mod lane;
 pub mod metrics;
 pub mod server;
 pub mod store;
+pub mod verify;
 
 pub use server::{Server, ServerConfig};
 
