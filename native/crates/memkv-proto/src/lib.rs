@@ -94,6 +94,11 @@ pub fn checksum(data: &[u8]) -> u64 {
     twox_hash::XxHash3_64::oneshot(data)
 }
 
+/// Incremental `checksum`: the same value for the same bytes however they arrive split.
+pub fn checksum_hasher() -> impl std::hash::Hasher {
+    twox_hash::XxHash3_64::with_seed(0)
+}
+
 /// One checksum per `CHECKSUM_CHUNK` bytes of `data` (one for an empty value).
 pub fn chunk_checksums(data: &[u8]) -> Vec<u64> {
     if data.is_empty() {
@@ -175,6 +180,16 @@ mod tests {
         assert_eq!(super::checksum(b""), 0x2D06_8005_38D3_94C2);
         let big: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
         assert_eq!(super::checksum(&big), 0x5D12_941F_4CF5_41C5);
+        for piece in [1, 7, 4096, 65_537] {
+            let mut h = super::checksum_hasher();
+            big.chunks(piece)
+                .for_each(|p| std::hash::Hasher::write(&mut h, p));
+            assert_eq!(
+                std::hash::Hasher::finish(&h),
+                0x5D12_941F_4CF5_41C5,
+                "split {piece}"
+            );
+        }
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! written straight from it, so the only copies are the kernel's. A protocol violation gets an
 //! error frame and the connection closes; the rest of the server is unaffected.
 
+use std::hash::Hasher;
 use std::io::{self, Read};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -235,11 +236,13 @@ impl Conn<'_> {
         for (key, len) in items {
             match store.reserve(key, len) {
                 Ok(mut res) => {
-                    // Checksum each chunk right after it lands, while it is still in cache.
+                    // Each chunk is hashed piece by piece as its bytes land (still in cache), so
+                    // the reply waits only for the hash of the last piece, not of a whole chunk.
                     let mut sums = Vec::with_capacity(1 + len as usize / CHECKSUM_CHUNK);
                     for chunk in res.span.as_mut_slice().chunks_mut(CHECKSUM_CHUNK) {
-                        self.read_full(chunk, false)?;
-                        sums.push(proto::checksum(chunk));
+                        let mut h = proto::checksum_hasher();
+                        self.read_full_with(chunk, false, |piece| h.write(piece))?;
+                        sums.push(h.finish());
                     }
                     if sums.is_empty() {
                         sums.push(proto::checksum(&[]));
@@ -353,6 +356,16 @@ impl Conn<'_> {
     /// unless the server shuts down (then Ok(false)); once a frame started it must arrive within
     /// the frame timeout. A clean EOF between frames is Ok(false).
     fn read_full(&mut self, buf: &mut [u8], at_frame_start: bool) -> io::Result<bool> {
+        self.read_full_with(buf, at_frame_start, |_| {})
+    }
+
+    /// `read_full`, handing each piece to `seen` as it arrives.
+    fn read_full_with(
+        &mut self,
+        buf: &mut [u8],
+        at_frame_start: bool,
+        mut seen: impl FnMut(&[u8]),
+    ) -> io::Result<bool> {
         let mut done = 0;
         let mut deadline = (!at_frame_start).then(|| Instant::now() + self.ctx.frame_timeout);
         while done < buf.len() {
@@ -360,6 +373,7 @@ impl Conn<'_> {
                 Ok(0) if done == 0 && at_frame_start => return Ok(false),
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => {
+                    seen(&buf[done..done + n]);
                     done += n;
                     deadline.get_or_insert_with(|| Instant::now() + self.ctx.frame_timeout);
                 }
