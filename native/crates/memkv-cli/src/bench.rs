@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use memkv_client::{Buf, Client, Status};
+use memkv_server::arena::Region;
 use memkv_server::{parse_size, Server, ServerConfig};
 
 use crate::Conn;
@@ -58,6 +59,12 @@ fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
+/// A buffer whose pages are all written, so no measurement pays first-touch page faults (or reads
+/// the kernel's shared zero page, which a zero-filled `vec!` would leave mapped).
+fn touched(size: usize, byte: u8) -> Vec<u8> {
+    vec![byte | 0x80; size]
+}
+
 /// memcpy ceiling: copies between two warm buffers of `size` bytes until `volume` moved.
 fn memcpy_ceiling(size: usize, volume: u64) -> f64 {
     let src = vec![7u8; size];
@@ -73,34 +80,41 @@ fn memcpy_ceiling(size: usize, volume: u64) -> f64 {
 }
 
 /// Raw loopback TCP ceiling with `streams` sender/receiver thread pairs, one socket each: the
-/// sender writes an 8-byte length and the value with writev, the receiver reads each value into
-/// the next of `keys` preallocated buffers, as the store writes each of a thread's `keys` keys
-/// into memory of its own (the data path memkv uses, with no store, protocol or round trip).
+/// sender writes an 8-byte length and the value with writev from an ordinary buffer (as a client
+/// does), the receiver reads each value into the next of `keys` buffers carved from memory
+/// prepared exactly as the store's arena (pre-faulted, huge pages), as the store writes each of a
+/// thread's `keys` keys into memory of its own: the data path memkv uses, with no store, protocol,
+/// checksum or round trip.
 fn tcp_ceiling(size: usize, volume: u64, streams: usize, keys: usize) -> std::io::Result<f64> {
     let n = ((volume / size as u64) as usize / streams).max(2);
+    let keys = keys.max(1);
+    // Sockets and memory are set up before the clock starts.
     let mut pairs = Vec::with_capacity(streams);
     for _ in 0..streams {
         let l = TcpListener::bind("127.0.0.1:0")?;
         let s = TcpStream::connect(l.local_addr()?)?;
         s.set_nodelay(true)?;
-        pairs.push((l.accept()?.0, s));
+        pairs.push((
+            l.accept()?.0,
+            s,
+            Region::new(size * keys)?,
+            touched(size, 3),
+        ));
     }
     let t = Instant::now();
     std::thread::scope(|sc| -> std::io::Result<()> {
         let mut hs = Vec::new();
-        for (mut rx, mut tx) in pairs {
+        for (mut rx, mut tx, mut mem, val) in pairs {
             hs.push(sc.spawn(move || -> std::io::Result<()> {
-                let mut bufs = vec![vec![0u8; size]; keys.max(1)];
+                let mut bufs: Vec<&mut [u8]> = mem.as_mut_slice().chunks_mut(size).collect();
                 let mut hdr = [0u8; 8];
                 for i in 0..n {
                     rx.read_exact(&mut hdr)?;
-                    let k = i % bufs.len();
-                    rx.read_exact(&mut bufs[k])?;
+                    rx.read_exact(bufs[i % keys])?;
                 }
                 rx.write_all(b"k")
             }));
             hs.push(sc.spawn(move || -> std::io::Result<()> {
-                let val = vec![3u8; size];
                 let hdr = (size as u64).to_le_bytes();
                 for _ in 0..n {
                     memkv_proto::io::write_all_vectored(&mut tx, &[&hdr, &val])?;
@@ -151,11 +165,11 @@ fn memkv_point(
     put: bool,
 ) -> f64 {
     let per_thread = ((volume / size as u64) as usize / threads).max(1);
+    let bufs: Vec<Vec<u8>> = (0..threads).map(|th| touched(size, th as u8)).collect();
     let t = Instant::now();
     std::thread::scope(|sc| {
-        for th in 0..threads {
+        for (th, mut buf) in bufs.into_iter().enumerate() {
             sc.spawn(move || {
-                let mut buf = vec![th as u8; size];
                 for i in 0..per_thread {
                     let key = format!("bench/m/{size}/{th}/{}", i % keys.max(1)).into_bytes();
                     let b = Buf {
@@ -271,15 +285,22 @@ fn redis_point(
     put: bool,
 ) -> Result<f64, String> {
     let per_thread = ((volume / size as u64) as usize / threads).max(1);
+    // Connections and buffers are set up before the clock starts, as memkv's pool is.
+    let setup = (0..threads)
+        .map(|th| {
+            let c = redis::Client::open(url)
+                .and_then(|c| c.get_connection())
+                .map_err(|e| e.to_string())?;
+            Ok((c, touched(size, th as u8)))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
     let t = Instant::now();
     std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..threads)
-            .map(|th| {
+        let hs: Vec<_> = setup
+            .into_iter()
+            .enumerate()
+            .map(|(th, (mut c, val))| {
                 sc.spawn(move || -> Result<(), String> {
-                    let mut c = redis::Client::open(url)
-                        .and_then(|c| c.get_connection())
-                        .map_err(|e| e.to_string())?;
-                    let val = vec![th as u8; size];
                     for i in 0..per_thread {
                         let key = format!("bench/{size}/{th}/{}", i % keys.max(1));
                         if put {
