@@ -35,8 +35,12 @@ pub struct BenchArgs {
     memory: String,
     /// Keys each client thread overwrites round-robin; the TCP ceiling's receiver writes into as
     /// many buffers, so both move the same bytes into the same amount of memory.
-    #[arg(long, default_value_t = 4)]
-    keys: usize,
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    keys: u64,
+    /// Values per memkv request (the tier sends `blocks_per_op` blocks per request). Each thread
+    /// uses at least this many keys.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    batch: u64,
     /// Rounds per point, each measuring the TCP ceiling and every system once; the best round of
     /// each is reported.
     #[arg(long, default_value_t = 3)]
@@ -79,32 +83,28 @@ fn memcpy_ceiling(size: usize, volume: u64) -> f64 {
     gbps(n * size as u64, t.elapsed())
 }
 
-/// Raw loopback TCP ceiling with `streams` sender/receiver thread pairs, one socket each: the
-/// sender writes an 8-byte length and the value with writev from an ordinary buffer (as a client
-/// does), the receiver reads each value into the next of `keys` buffers carved from memory
-/// prepared exactly as the store's arena (pre-faulted, huge pages), as the store writes each of a
-/// thread's `keys` keys into memory of its own: the data path memkv uses, with no store, protocol,
-/// checksum or round trip.
-fn tcp_ceiling(size: usize, volume: u64, streams: usize, keys: usize) -> std::io::Result<f64> {
+/// Raw loopback TCP ceiling with `streams` sender/receiver thread pairs, one socket each, over
+/// the same memory as a memkv point: the sender writes an 8-byte length and a value with writev
+/// from the next of `batch` ordinary buffers (as a client thread does), the receiver reads it into
+/// the next of `keys` buffers carved from memory prepared as the store's arena is (pre-faulted,
+/// huge pages), as the store writes each of a thread's keys into memory of its own. This is the
+/// data path memkv uses, with no store, protocol, checksum or request/reply round trip.
+fn tcp_ceiling(size: usize, volume: u64, streams: usize, w: &Workload) -> std::io::Result<f64> {
     let n = ((volume / size as u64) as usize / streams).max(2);
-    let keys = keys.max(1);
+    let keys = w.keys;
     // Sockets and memory are set up before the clock starts.
     let mut pairs = Vec::with_capacity(streams);
     for _ in 0..streams {
         let l = TcpListener::bind("127.0.0.1:0")?;
         let s = TcpStream::connect(l.local_addr()?)?;
         s.set_nodelay(true)?;
-        pairs.push((
-            l.accept()?.0,
-            s,
-            Region::new(size * keys)?,
-            touched(size, 3),
-        ));
+        let vals: Vec<Vec<u8>> = (0..w.batch).map(|_| touched(size, 3)).collect();
+        pairs.push((l.accept()?.0, s, Region::new(size * keys)?, vals));
     }
     let t = Instant::now();
     std::thread::scope(|sc| -> std::io::Result<()> {
         let mut hs = Vec::new();
-        for (mut rx, mut tx, mut mem, val) in pairs {
+        for (mut rx, mut tx, mut mem, vals) in pairs {
             hs.push(sc.spawn(move || -> std::io::Result<()> {
                 let mut bufs: Vec<&mut [u8]> = mem.as_mut_slice().chunks_mut(size).collect();
                 let mut hdr = [0u8; 8];
@@ -116,8 +116,9 @@ fn tcp_ceiling(size: usize, volume: u64, streams: usize, keys: usize) -> std::io
             }));
             hs.push(sc.spawn(move || -> std::io::Result<()> {
                 let hdr = (size as u64).to_le_bytes();
-                for _ in 0..n {
-                    memkv_proto::io::write_all_vectored(&mut tx, &[&hdr, &val])?;
+                for i in 0..n {
+                    let v: &[u8] = &vals[i % vals.len()];
+                    memkv_proto::io::write_all_vectored(&mut tx, &[&hdr, v])?;
                 }
                 let mut ack = [0u8; 1];
                 tx.read_exact(&mut ack)
@@ -126,6 +127,14 @@ fn tcp_ceiling(size: usize, volume: u64, streams: usize, keys: usize) -> std::io
         hs.into_iter().try_for_each(|h| h.join().unwrap())
     })?;
     Ok(gbps((n * streams * size) as u64, t.elapsed()))
+}
+
+/// What each thread of a memkv or Redis point does.
+struct Workload {
+    /// Distinct keys per thread, overwritten round-robin.
+    keys: usize,
+    /// Values per memkv request.
+    batch: usize,
 }
 
 /// Median round trip of a 32-byte ping-pong over loopback TCP: the floor under any request/reply
@@ -155,46 +164,57 @@ fn tcp_rtt() -> std::io::Result<Duration> {
     Ok(lat[lat.len() / 2])
 }
 
-/// memkv put or get throughput for `threads` threads, each with its own keys and buffers.
+/// memkv put or get throughput for `threads` threads, each with its own keys and buffers, sending
+/// `batch` values per request (keys `batch` apart in the thread's round-robin of `keys`).
 fn memkv_point(
     client: &Arc<Client>,
     size: usize,
     threads: usize,
-    keys: usize,
+    w: &Workload,
     volume: u64,
     put: bool,
 ) -> f64 {
-    let per_thread = ((volume / size as u64) as usize / threads).max(1);
-    let bufs: Vec<Vec<u8>> = (0..threads).map(|th| touched(size, th as u8)).collect();
+    let per_request = w.batch * size;
+    let requests = ((volume / per_request as u64) as usize / threads).max(1);
+    let bufs: Vec<Vec<Vec<u8>>> = (0..threads)
+        .map(|th| (0..w.batch).map(|_| touched(size, th as u8)).collect())
+        .collect();
     let t = Instant::now();
     std::thread::scope(|sc| {
-        for (th, mut buf) in bufs.into_iter().enumerate() {
+        for (th, mut bufs) in bufs.into_iter().enumerate() {
             sc.spawn(move || {
-                for i in 0..per_thread {
-                    let key = format!("bench/m/{size}/{th}/{}", i % keys.max(1)).into_bytes();
-                    let b = Buf {
-                        ptr: buf.as_mut_ptr() as usize,
-                        len: size,
-                    };
-                    // SAFETY: `buf` outlives the call and is used by this thread alone.
+                for i in 0..requests {
+                    let keys: Vec<Vec<u8>> = (0..w.batch)
+                        .map(|j| {
+                            let k = (i * w.batch + j) % w.keys;
+                            format!("bench/m/{size}/{th}/{k}").into_bytes()
+                        })
+                        .collect();
+                    let b: Vec<Buf> = bufs
+                        .iter_mut()
+                        .map(|v| Buf {
+                            ptr: v.as_mut_ptr() as usize,
+                            len: size,
+                        })
+                        .collect();
+                    // SAFETY: the buffers outlive the call, are distinct and this thread's alone.
                     let st = unsafe {
                         if put {
-                            client.put(&[key], &[b])
+                            client.put(&keys, &b)
                         } else {
-                            client.get(&[key], &[b])
+                            client.get(&keys, &b)
                         }
                     };
-                    assert_eq!(
-                        st[0],
-                        Status::Ok,
-                        "bench {} failed",
+                    assert!(
+                        st.iter().all(|s| *s == Status::Ok),
+                        "bench {} failed: {st:?}",
                         if put { "put" } else { "get" }
                     );
                 }
             });
         }
     });
-    gbps((per_thread * threads * size) as u64, t.elapsed())
+    gbps((requests * threads * per_request) as u64, t.elapsed())
 }
 
 /// Median latency of a batched EXISTS of 1,000 keys.
@@ -368,8 +388,12 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         .map(|n| n.get())
         .unwrap_or(1);
     println!(
-        "memkv bench: servers {servers}, {cpus} CPUs, {} per point, GB/s = 1e9 B/s",
-        a.volume
+        "memkv bench: servers {servers}, {cpus} CPUs, {} per point, {} keys per thread, {} \
+         value(s) per memkv request, best of {} rounds, GB/s = 1e9 B/s",
+        a.volume,
+        a.keys.max(a.batch),
+        a.batch,
+        a.repeat.max(1)
     );
     let rtt = tcp_rtt().map_err(|e| format!("tcp round trip: {e}"))?;
     println!(
@@ -395,6 +419,10 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         }
     );
     let rep = a.repeat.max(1);
+    let w = Workload {
+        keys: a.keys.max(a.batch) as usize,
+        batch: a.batch as usize,
+    };
     for &size in &sizes {
         let mc = best(rep, || Ok(memcpy_ceiling(size, volume)))?;
         for &th in &a.threads {
@@ -403,16 +431,15 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
             let mut b = [0f64; 5];
             for _ in 0..rep {
                 let round = [
-                    tcp_ceiling(size, volume, th, a.keys)
-                        .map_err(|e| format!("tcp ceiling: {e}"))?,
-                    memkv_point(&client, size, th, a.keys, volume, true),
-                    memkv_point(&client, size, th, a.keys, volume, false),
+                    tcp_ceiling(size, volume, th, &w).map_err(|e| format!("tcp ceiling: {e}"))?,
+                    memkv_point(&client, size, th, &w, volume, true),
+                    memkv_point(&client, size, th, &w, volume, false),
                     match &redis {
-                        Some(r) => redis_point(&r.url, size, th, a.keys, volume, true)?,
+                        Some(r) => redis_point(&r.url, size, th, w.keys, volume, true)?,
                         None => 0.0,
                     },
                     match &redis {
-                        Some(r) => redis_point(&r.url, size, th, a.keys, volume, false)?,
+                        Some(r) => redis_point(&r.url, size, th, w.keys, volume, false)?,
                         None => 0.0,
                     },
                 ];
