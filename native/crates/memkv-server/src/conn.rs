@@ -268,8 +268,8 @@ impl Conn<'_> {
 
     /// GET: no chunk of a value is sent before it matched its checksum, so no byte other than
     /// those stored ever leaves. The first chunk (all of a value up to 1 MiB) is checked before
-    /// the reply starts and a mismatch there answers `Corrupt`; each later chunk is checked by the
-    /// verifier pool while the chunk before it is sent, and a mismatch drops the value and aborts
+    /// the reply starts and a mismatch there answers `Corrupt`; later chunks are checked by the
+    /// verifier pool ahead of the send, and a mismatch drops the value and aborts
     /// the connection, which the client sees as a miss. Values stay referenced (not freed by
     /// eviction) until sent.
     fn get(&mut self, h: &Header, body: &[u8]) -> Result<(), End> {
@@ -298,30 +298,29 @@ impl Conn<'_> {
         let total: u64 = vals.iter().map(|(_, v)| v.span.len()).sum();
         let table = proto::encode_status_lens(&st);
         let hdr = Header::new(h.opcode.reply(), h.request_id, table.len(), total).encode();
-        // Send order: every chunk of every value. Chunk 0 of each was verified above; each later
-        // chunk is checked by the verifier pool while the chunk before it is being sent.
+        // Send order: every chunk of every value. Chunk 0 of each was verified above; the later
+        // ones are checked by the verifier pool, ahead of the send.
         let order: Vec<(usize, usize)> = vals
             .iter()
             .enumerate()
             .flat_map(|(k, (_, v))| (0..v.chunks()).map(move |i| (k, i)))
             .collect();
-        let mut later = order.iter().filter(|(_, i)| *i > 0);
-        let verifier = &self.ctx.verifier;
-        let mut ahead = later.next().map(|&(k, i)| verifier.check(&vals[k].1, i));
+        let later: Vec<(Arc<Value>, usize)> = order
+            .iter()
+            .filter(|(_, i)| *i > 0)
+            .map(|&(k, i)| (vals[k].1.clone(), i))
+            .collect();
+        let mut checks = (!later.is_empty()).then(|| self.ctx.verifier.check(later));
         // The header and table go out with the first batch of verified chunks.
         let mut batch: Vec<&[u8]> = vec![&hdr, &table];
         let mut batched = 0;
         for &(k, i) in &order {
             let (key, v) = &vals[k];
-            if i > 0 {
-                let ok = ahead.take().is_some_and(|p| p.ok());
-                ahead = later.next().map(|&(k, i)| verifier.check(&vals[k].1, i));
-                if !ok {
-                    store.drop_corrupt(key, v);
-                    return Err(End::Io(io::Error::other(
-                        "checksum mismatch mid-value; reply aborted",
-                    )));
-                }
+            if i > 0 && !checks.as_mut().is_some_and(|c| c.next_ok()) {
+                store.drop_corrupt(key, v);
+                return Err(End::Io(io::Error::other(
+                    "checksum mismatch mid-value; reply aborted",
+                )));
             }
             let c = v.chunk(i);
             batch.push(c);

@@ -1,20 +1,23 @@
-//! Checksum verification off the connection thread, one chunk ahead of the send.
+//! Checksum verification off the connection thread, running ahead of the send.
 //!
 //! A GET reply's sender is the busier side of a TCP connection (on loopback it also runs the
 //! receiver's protocol work), so hashing each chunk on the connection thread adds straight to the
-//! transfer time (about a tenth at loopback speeds). Here a pool thread checks chunk i+1 while
-//! the connection thread sends chunk i; the rule stays the same: no chunk is sent before its
-//! check passed.
+//! transfer time (about a tenth at loopback speeds). Here one pool thread checks a reply's chunks
+//! in send order while the connection thread sends the ones already checked; the rule stays the
+//! same: no chunk is sent before its check passed. One job per reply keeps the hand-offs (and
+//! their wake-ups) to one per GET, not one per chunk.
 
 use std::sync::Arc;
 
-use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
+use crossbeam_channel::{unbounded, Receiver, Sender};
 
 use crate::lane::Value;
 
+/// The chunks to check, in the order they will be sent.
+type Items = Arc<Vec<(Arc<Value>, usize)>>;
+
 struct Job {
-    value: Arc<Value>,
-    chunk: usize,
+    items: Items,
     done: Sender<bool>,
 }
 
@@ -22,19 +25,22 @@ pub struct Verifier {
     jobs: Sender<Job>,
 }
 
-/// The answer to one `Verifier::check`, waited for right before the chunk is sent.
-pub struct Pending {
-    value: Arc<Value>,
-    chunk: usize,
+/// The answers to one `Verifier::check`, taken in order right before each chunk is sent.
+pub struct Checks {
+    items: Items,
+    next: usize,
     done: Receiver<bool>,
 }
 
-impl Pending {
-    /// Whether the chunk matches its checksum. If the pool lost the job, the check runs here.
-    pub fn ok(self) -> bool {
-        self.done
-            .recv()
-            .unwrap_or_else(|_| self.value.chunk_ok(self.chunk))
+impl Checks {
+    /// Whether the next chunk in send order matches its checksum. Once the pool stops answering
+    /// (it lost the job, or never had one), the checks run here.
+    pub fn next_ok(&mut self) -> bool {
+        let Some((v, i)) = self.items.get(self.next) else {
+            return false;
+        };
+        self.next += 1;
+        self.done.recv().unwrap_or_else(|_| v.chunk_ok(*i))
     }
 }
 
@@ -47,25 +53,31 @@ impl Verifier {
                 .name(format!("memkv-verify-{i}"))
                 .spawn(move || {
                     while let Ok(j) = rx.recv() {
-                        let _ = j.done.send(j.value.chunk_ok(j.chunk));
+                        for (v, i) in j.items.iter() {
+                            let ok = v.chunk_ok(*i);
+                            // Stop at a mismatch (the reply is aborted) or once nobody listens.
+                            if j.done.send(ok).is_err() || !ok {
+                                break;
+                            }
+                        }
                     }
                 })?;
         }
         Ok(Verifier { jobs })
     }
 
-    /// Starts checking chunk `chunk` of `value` on a pool thread.
-    pub fn check(&self, value: &Arc<Value>, chunk: usize) -> Pending {
-        let (done, rx) = bounded(1);
-        // If the pool is gone the job comes back dropped and `Pending::ok` checks inline.
+    /// Starts checking `items` (value, chunk index) in order on a pool thread.
+    pub fn check(&self, items: Vec<(Arc<Value>, usize)>) -> Checks {
+        let items = Arc::new(items);
+        let (done, rx) = unbounded();
+        // If the pool is gone the job comes back dropped and `Checks::next_ok` checks inline.
         let _ = self.jobs.send(Job {
-            value: value.clone(),
-            chunk,
+            items: items.clone(),
             done,
         });
-        Pending {
-            value: value.clone(),
-            chunk,
+        Checks {
+            items,
+            next: 0,
             done: rx,
         }
     }
@@ -84,26 +96,31 @@ mod tests {
         s.fetch_verified(b"k").ok().unwrap()
     }
 
+    const C: usize = memkv_proto::CHECKSUM_CHUNK;
+
     #[test]
-    fn pool_checks_later_chunks_and_catches_corruption() {
+    fn pool_checks_chunks_in_order_and_catches_corruption() {
         let s = Store::new(8 << 20, 1, 0.5).unwrap();
-        let v = stored(&s, 3 * memkv_proto::CHECKSUM_CHUNK);
+        let v = stored(&s, 3 * C);
         let pool = Verifier::new(2).unwrap();
-        assert!(pool.check(&v, 1).ok() && pool.check(&v, 2).ok());
-        v.span.corrupt_for_test(2 * memkv_proto::CHECKSUM_CHUNK + 1);
-        assert!(pool.check(&v, 1).ok());
-        assert!(!pool.check(&v, 2).ok());
+        let mut c = pool.check(vec![(v.clone(), 1), (v.clone(), 2)]);
+        assert!(c.next_ok() && c.next_ok());
+        assert!(!c.next_ok(), "nothing was asked past the last item");
+        v.span.corrupt_for_test(2 * C + 1);
+        let mut c = pool.check(vec![(v.clone(), 1), (v.clone(), 2)]);
+        assert!(c.next_ok());
+        assert!(!c.next_ok());
     }
 
     #[test]
-    fn without_a_pool_the_check_runs_inline() {
+    fn without_a_pool_the_checks_run_inline() {
         let s = Store::new(8 << 20, 1, 0.5).unwrap();
-        let v = stored(&s, 2 * memkv_proto::CHECKSUM_CHUNK);
+        let v = stored(&s, 2 * C);
         let (jobs, rx) = unbounded();
         drop(rx);
         let gone = Verifier { jobs };
-        assert!(gone.check(&v, 1).ok());
-        v.span.corrupt_for_test(memkv_proto::CHECKSUM_CHUNK + 3);
-        assert!(!gone.check(&v, 1).ok());
+        assert!(gone.check(vec![(v.clone(), 1)]).next_ok());
+        v.span.corrupt_for_test(C + 3);
+        assert!(!gone.check(vec![(v.clone(), 1)]).next_ok());
     }
 }
