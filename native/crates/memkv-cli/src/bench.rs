@@ -137,6 +137,20 @@ struct Workload {
     batch: usize,
 }
 
+/// XXH3-64 checksum rate of one core over warm 1 MiB chunks: the work memkv adds per byte moved
+/// (once at PUT, once at GET) on top of the copies the TCP ceiling does.
+fn checksum_rate() -> f64 {
+    let chunk = touched(memkv_proto::CHECKSUM_CHUNK, 5);
+    let n = 2048;
+    let mut x = memkv_proto::checksum(&chunk);
+    let t = Instant::now();
+    for _ in 0..n {
+        x ^= memkv_proto::checksum(std::hint::black_box(&chunk));
+    }
+    std::hint::black_box(x);
+    gbps((n * chunk.len()) as u64, t.elapsed())
+}
+
 /// Median round trip of a 32-byte ping-pong over loopback TCP: the floor under any request/reply
 /// exchange, so a one-value-per-request client can reach at most `t / (t + rtt)` of a stream that
 /// needs `t` per value.
@@ -394,6 +408,10 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         a.keys.max(a.batch),
         a.batch,
         a.repeat.max(1)
+    );
+    println!(
+        "XXH3-64 checksum, one core, warm 1 MiB chunks: {:.1} GB/s",
+        checksum_rate()
     );
     let rtt = tcp_rtt().map_err(|e| format!("tcp round trip: {e}"))?;
     println!(
