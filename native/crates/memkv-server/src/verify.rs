@@ -50,7 +50,7 @@ impl Checks {
             return false;
         }
         self.next += 1;
-        if i > 0 && i % WINDOW == 0 {
+        if i > 0 && i.is_multiple_of(WINDOW) {
             self.windows.pop_front();
         }
         // Keep the window holding `i` and the one after it with the pool.
