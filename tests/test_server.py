@@ -200,3 +200,32 @@ def test_listen_address_in_use_is_a_clear_error(memkv_server):
                                             "--memory", "16M"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and "cannot start on" in out.stderr
+
+
+def test_cli_bench_prints_every_point_next_to_same_run_ceilings():
+    """`memkv bench` end to end on a tiny volume: one row per (size, threads), every figure
+    positive, the ratios computed from the printed figures. No speed is asserted here; speed
+    is recorded in docs/benchmarks.md."""
+    out = subprocess.run(
+        memkv_command() + ["bench", "--sizes", "64K,1M", "--threads", "1,2", "--volume", "8M",
+                           "--memory", "64M", "--repeat", "2", "--keys", "3"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "3 keys per thread" in lines[0] and "best of 2 rounds" in lines[0]
+    assert float(lines[1].split(":")[1].split()[0]) > 0  # XXH3 rate
+    assert float(lines[2].split(":")[1].split()[0]) > 0  # loopback round trip
+    rows = [ln for ln in lines if ln.lstrip()[:1].isdigit() and "|" in ln]
+    assert [(r.split()[0], r.split()[1]) for r in rows] == [
+        ("64K", "1"), ("64K", "2"), ("1M", "1"), ("1M", "2")]
+    for r in rows:
+        _, memcpy_tcp, put_get, ratios, _ = r.split("|")
+        memcpy, tcp = map(float, memcpy_tcp.split())
+        put, get = map(float, put_get.split())
+        put_pct, get_pct = (float(x.rstrip("%")) for x in ratios.split())
+        assert min(memcpy, tcp, put, get) > 0
+        assert abs(put_pct - 100 * put / tcp) <= 1 and abs(get_pct - 100 * get / tcp) <= 1
+    assert "batched EXISTS of 1,000 keys: median" in lines[-1]
+    bad = subprocess.run(memkv_command() + ["bench", "--keys", "0"], capture_output=True,
+                         text=True, timeout=30)
+    assert bad.returncode != 0 and "--keys" in bad.stderr

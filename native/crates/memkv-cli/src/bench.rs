@@ -63,6 +63,15 @@ fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
+/// `64K`, `4M`, `1536K`: binary units, as `--sizes` takes them.
+fn size_label(size: usize) -> String {
+    match size {
+        s if s >= 1 << 20 && s % (1 << 20) == 0 => format!("{}M", s >> 20),
+        s if s % 1024 == 0 => format!("{}K", s >> 10),
+        s => s.to_string(),
+    }
+}
+
 /// A buffer whose pages are all written, so no measurement pays first-touch page faults (or reads
 /// the kernel's shared zero page, which a zero-filled `vec!` would leave mapped).
 fn touched(size: usize, byte: u8) -> Vec<u8> {
@@ -467,8 +476,8 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
             }
             let [tcp, p, g, rp, rg] = b;
             let mut line = format!(
-                "{:>7}M {:>3} | {:>7.2} {:>7.2} | {:>7.2} {:>7.2} | {:>6.0}% {:>6.0}% |",
-                size >> 20,
+                "{:>8} {:>3} | {:>7.2} {:>7.2} | {:>7.2} {:>7.2} | {:>6.0}% {:>6.0}% |",
+                size_label(size),
                 th,
                 mc,
                 tcp,
