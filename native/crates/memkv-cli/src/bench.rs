@@ -146,7 +146,7 @@ struct Workload {
     batch: usize,
 }
 
-/// XXH3-64 checksum rate of one core over warm 1 MiB chunks: the work memkv adds per byte moved
+/// XXH3-64 checksum rate of one core over warm checksum chunks: the work memkv adds per byte moved
 /// (once at PUT, once at GET) on top of the copies the TCP ceiling does.
 fn checksum_rate() -> f64 {
     let chunk = touched(memkv_proto::CHECKSUM_CHUNK, 5);
@@ -419,7 +419,8 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         a.repeat.max(1)
     );
     println!(
-        "XXH3-64 checksum, one core, warm 1 MiB chunks: {:.1} GB/s",
+        "XXH3-64 checksum, one core, warm {} chunks: {:.1} GB/s",
+        size_label(memkv_proto::CHECKSUM_CHUNK),
         checksum_rate()
     );
     let rtt = tcp_rtt().map_err(|e| format!("tcp round trip: {e}"))?;

@@ -16,7 +16,7 @@ use crossbeam_channel::{unbounded, Receiver, Sender};
 use crate::lane::Value;
 
 /// Chunks per hand-off to the pool.
-const WINDOW: usize = 4;
+const WINDOW: usize = 16;
 
 /// The chunks to check, in the order they will be sent.
 type Items = Arc<Vec<(Arc<Value>, usize)>>;
