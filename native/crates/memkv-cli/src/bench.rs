@@ -345,7 +345,7 @@ fn redis_point(
             .map(|(th, (mut c, val))| {
                 sc.spawn(move || -> Result<(), String> {
                     for i in 0..per_thread {
-                        let key = format!("bench/{size}/{th}/{}", i % keys.max(1));
+                        let key = format!("bench/{size}/{th}/{}", i % keys);
                         if put {
                             redis::cmd("SET")
                                 .arg(&key)
@@ -410,13 +410,15 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
     let cpus = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
+    let rep = a.repeat.max(1);
+    let w = Workload {
+        keys: a.keys.max(a.batch) as usize,
+        batch: a.batch as usize,
+    };
     println!(
         "memkv bench: servers {servers}, {cpus} CPUs, {} per point, {} keys per thread, {} \
-         value(s) per memkv request, best of {} rounds, GB/s = 1e9 B/s",
-        a.volume,
-        a.keys.max(a.batch),
-        a.batch,
-        a.repeat.max(1)
+         value(s) per memkv request, best of {rep} rounds, GB/s = 1e9 B/s",
+        a.volume, w.keys, w.batch
     );
     println!(
         "XXH3-64 checksum, one core, warm {} chunks: {:.1} GB/s",
@@ -446,11 +448,6 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
             ""
         }
     );
-    let rep = a.repeat.max(1);
-    let w = Workload {
-        keys: a.keys.max(a.batch) as usize,
-        batch: a.batch as usize,
-    };
     for &size in &sizes {
         let mc = best(rep, || Ok(memcpy_ceiling(size, volume)))?;
         for &th in &a.threads {

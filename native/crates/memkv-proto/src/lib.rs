@@ -82,9 +82,9 @@ pub fn auth_verify(key: &[u8], nonce: &[u8], answer: &[u8]) -> bool {
     mac.verify_slice(answer).is_ok()
 }
 
-/// Values are checksummed in chunks of this many bytes, so a server can verify each chunk right
-/// before sending it (one pass over memory instead of two) and a large value never has to be read
-/// twice from DRAM.
+/// Values are checksummed in chunks of this many bytes, so a server can verify a value chunk by
+/// chunk just ahead of sending it (a checked chunk is still in cache when sent) and the first
+/// byte of a reply waits for one small chunk's check, not the whole value's.
 pub const CHECKSUM_CHUNK: usize = 256 << 10;
 
 /// XXH3-64 (seed 0) of one chunk. twox-hash picks AVX2/SSE2/NEON at run time, so a wheel built

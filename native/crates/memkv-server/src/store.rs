@@ -51,8 +51,8 @@ impl Store {
     }
 
     /// GET lookup. The first chunk (all of a value up to `CHECKSUM_CHUNK`) is verified here,
-    /// so a mismatch there is reported as `Corrupt` before the reply starts; the connection
-    /// verifies every later chunk right before sending it (see `conn::Conn::get`).
+    /// so a mismatch there is reported as `Corrupt` before the reply starts; every later chunk is
+    /// verified before it is sent, by the verifier pool (see `conn::Conn::get`, `verify`).
     pub fn fetch_verified(&self, key: &[u8]) -> Result<Arc<Value>, Status> {
         match self.lane(key).fetch(key) {
             None => Err(Status::NotFound),
