@@ -315,9 +315,12 @@ impl Conn<'_> {
             .map(|&(k, i)| (vals[k].1.clone(), i))
             .collect();
         let mut checks = self.ctx.verifier.check(later);
-        // The header and table go out with the first batch of verified chunks.
+        // The header and table go out with the first chunk, which was verified before the reply
+        // started: the client starts receiving while the pool checks the next chunks, instead of
+        // the pipe idling for a whole batch's checks (and the pool threads' wake-up).
         let mut batch: Vec<&[u8]> = vec![&hdr, &table];
         let mut batched = 0;
+        let mut first = true;
         for &(k, i) in &order {
             let (key, v) = &vals[k];
             if i > 0 && !checks.next_ok() {
@@ -329,7 +332,7 @@ impl Conn<'_> {
             let c = v.chunk(i);
             batch.push(c);
             batched += c.len();
-            if batched >= SEND_BATCH {
+            if batched >= SEND_BATCH || std::mem::take(&mut first) {
                 proto::io::write_all_vectored(&mut self.stream, &batch)?;
                 batch.clear();
                 batched = 0;
