@@ -167,7 +167,7 @@ impl Conn {
                 // SAFETY: the caller guarantees the buffer is valid and exclusively ours until the
                 // operation completes.
                 let dst = unsafe { std::slice::from_raw_parts_mut(b.ptr as *mut u8, b.len) };
-                self.stream.read_exact(dst)?;
+                proto::io::read_exact_in_pieces(&mut self.stream, dst)?;
             }
         }
         Ok(st.into_iter().map(|(s, _)| s).collect())
