@@ -1,6 +1,7 @@
 //! `memkv bench`: put/get throughput against a memkv server, printed next to ceilings measured in
-//! the same run on the same machine: memcpy and raw loopback TCP (two threads, one socket, the
-//! same value size), and optionally a local Redis through the `redis` crate. GB/s = 1e9 B/s.
+//! the same run on the same machine: memcpy, raw loopback TCP between two threads (one socket,
+//! the same value size), the same with a socket per client thread, and optionally a local Redis
+//! through the `redis` crate. GB/s = 1e9 B/s.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
