@@ -220,18 +220,13 @@ fn memkv_point(
     std::thread::scope(|sc| {
         for (th, mut bufs) in bufs.into_iter().enumerate() {
             sc.spawn(move || {
+                // Built once: the same buffers serve every request of this thread.
+                let b: Vec<Buf> = bufs.iter_mut().map(|v| Buf::of_mut(v)).collect();
                 for i in 0..requests {
                     let keys: Vec<Vec<u8>> = (0..w.batch)
                         .map(|j| {
                             let k = (i * w.batch + j) % w.keys;
                             format!("bench/m/{size}/{th}/{k}").into_bytes()
-                        })
-                        .collect();
-                    let b: Vec<Buf> = bufs
-                        .iter_mut()
-                        .map(|v| Buf {
-                            ptr: v.as_mut_ptr() as usize,
-                            len: size,
                         })
                         .collect();
                     // SAFETY: the buffers outlive the call, are distinct and this thread's alone.
@@ -293,13 +288,7 @@ fn exists_latency(client: &Arc<Client>) -> Duration {
         .map(|i| format!("bench/exists/{i:06}").into_bytes())
         .collect();
     let small = [0u8; 64];
-    let bufs: Vec<Buf> = keys
-        .iter()
-        .map(|_| Buf {
-            ptr: small.as_ptr() as usize,
-            len: 64,
-        })
-        .collect();
+    let bufs = vec![Buf::of(&small); keys.len()];
     // SAFETY: `small` lives until the end of this function.
     unsafe { client.put(&keys, &bufs) };
     let mut lat: Vec<Duration> = (0..51)

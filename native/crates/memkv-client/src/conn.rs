@@ -17,6 +17,24 @@ pub struct Buf {
     pub len: usize,
 }
 
+impl Buf {
+    /// A buffer the client reads from (a PUT's value).
+    pub fn of(v: &[u8]) -> Buf {
+        Buf {
+            ptr: v.as_ptr() as usize,
+            len: v.len(),
+        }
+    }
+
+    /// A buffer the client writes into (a GET's destination).
+    pub fn of_mut(v: &mut [u8]) -> Buf {
+        Buf {
+            ptr: v.as_mut_ptr() as usize,
+            len: v.len(),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConnError {
     #[error("{0}")]

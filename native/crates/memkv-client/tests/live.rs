@@ -34,20 +34,13 @@ fn client(servers: &[&Server], auth: Option<Vec<u8>>) -> Arc<Client> {
 }
 
 fn put(c: &Client, key: &[u8], val: &[u8]) -> Status {
-    let b = Buf {
-        ptr: val.as_ptr() as usize,
-        len: val.len(),
-    };
     // SAFETY: `val` outlives the blocking call.
-    unsafe { c.put(&[key.to_vec()], &[b])[0] }
+    unsafe { c.put(&[key.to_vec()], &[Buf::of(val)])[0] }
 }
 
 fn get(c: &Client, key: &[u8], len: usize) -> (Status, Vec<u8>) {
     let mut v = vec![0u8; len];
-    let b = Buf {
-        ptr: v.as_mut_ptr() as usize,
-        len,
-    };
+    let b = Buf::of_mut(&mut v);
     // SAFETY: `v` outlives the blocking call and is not touched meanwhile.
     let s = unsafe { c.get(&[key.to_vec()], &[b])[0] };
     (s, v)
@@ -101,25 +94,13 @@ fn many_concurrent_multi_chunk_gets_are_byte_exact() {
                     .map(|k| format!("mc/{t}/{k}").into_bytes())
                     .collect();
                 let vals: Vec<Vec<u8>> = (0..sizes.len()).map(|k| val(t, k)).collect();
-                let bufs: Vec<Buf> = vals
-                    .iter()
-                    .map(|v| Buf {
-                        ptr: v.as_ptr() as usize,
-                        len: v.len(),
-                    })
-                    .collect();
+                let bufs: Vec<Buf> = vals.iter().map(|v| Buf::of(v)).collect();
                 // SAFETY: `vals` outlives the blocking call.
                 let st = unsafe { c.put(&keys, &bufs) };
                 assert!(st.iter().all(|s| *s == Status::Ok), "{st:?}");
                 for _ in 0..3 {
                     let mut out: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
-                    let dst: Vec<Buf> = out
-                        .iter_mut()
-                        .map(|v| Buf {
-                            ptr: v.as_mut_ptr() as usize,
-                            len: v.len(),
-                        })
-                        .collect();
+                    let dst: Vec<Buf> = out.iter_mut().map(|v| Buf::of_mut(v)).collect();
                     // SAFETY: `out` outlives the call; its buffers are distinct and untouched.
                     let st = unsafe { c.get(&keys, &dst) };
                     assert!(st.iter().all(|s| *s == Status::Ok), "{st:?}");
