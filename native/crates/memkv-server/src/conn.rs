@@ -316,8 +316,7 @@ impl Conn<'_> {
         // the pipe idling for a whole batch's checks (and the pool threads' wake-up).
         let mut batch: Vec<&[u8]> = vec![&hdr, &table];
         let mut batched = 0;
-        let mut first = true;
-        for &(k, i) in &order {
+        for (n, &(k, i)) in order.iter().enumerate() {
             let (key, v) = &vals[k];
             if i > 0 && !checks.next_ok() {
                 store.drop_corrupt(key, v);
@@ -328,7 +327,7 @@ impl Conn<'_> {
             let c = v.chunk(i);
             batch.push(c);
             batched += c.len();
-            if batched >= SEND_BATCH || std::mem::take(&mut first) {
+            if batched >= SEND_BATCH || n == 0 {
                 proto::io::write_all_vectored(&mut self.stream, &batch)?;
                 batch.clear();
                 batched = 0;
