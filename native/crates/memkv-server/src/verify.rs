@@ -7,11 +7,15 @@
 //! same: no chunk is sent before its check passed. Chunks are handed over in windows of a few,
 //! at most two windows ahead of the send: few hand-offs, and a checked chunk is still in cache
 //! when it is sent. A pool thread never waits on a connection, so a slow client stalls no one.
+//!
+//! Each chunk is checked once, by whoever claims it first: when the connection thread needs a
+//! chunk the pool has not started (its threads not yet woken, or busy with other replies), it
+//! checks that chunk itself instead of idling the connection for a wake-up.
 
-use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 
-use crossbeam_channel::{unbounded, Receiver, Sender};
+use crossbeam_channel::{unbounded, Sender};
 
 use crate::lane::Value;
 
@@ -20,13 +24,36 @@ use crate::lane::Value;
 /// about 4 points less of the TCP ceiling).
 const WINDOW: usize = 4;
 
-/// The chunks to check, in the order they will be sent.
-type Items = Arc<Vec<(Arc<Value>, usize)>>;
+/// A chunk's check, as claimed and answered by the pool or the connection thread.
+const UNCLAIMED: u8 = 0;
+const CLAIMED: u8 = 1;
+const MATCHED: u8 = 2;
+const MISMATCHED: u8 = 3;
+
+/// One reply's chunks in send order, each with the state of its check.
+struct Reply {
+    items: Vec<(Arc<Value>, usize)>,
+    state: Vec<AtomicU8>,
+    /// Set when the reply ends (sent or aborted): the pool skips what is left.
+    ended: AtomicBool,
+}
+
+impl Reply {
+    /// Checks chunk `i` if nobody has claimed it; Some(matched) when this call checked it.
+    fn try_check(&self, i: usize) -> Option<bool> {
+        self.state[i]
+            .compare_exchange(UNCLAIMED, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
+            .ok()?;
+        let (v, c) = &self.items[i];
+        let ok = v.chunk_ok(*c);
+        self.state[i].store(if ok { MATCHED } else { MISMATCHED }, Ordering::Release);
+        Some(ok)
+    }
+}
 
 struct Job {
-    items: Items,
+    reply: Arc<Reply>,
     range: std::ops::Range<usize>,
-    done: Sender<bool>,
 }
 
 pub struct Verifier {
@@ -35,50 +62,49 @@ pub struct Verifier {
 
 /// The answers for one reply, taken in order right before each chunk is sent.
 pub struct Checks {
-    items: Items,
+    reply: Arc<Reply>,
     jobs: Sender<Job>,
     next: usize,
     submitted: usize,
-    /// One receiver per window handed over and not yet used up, oldest first.
-    windows: VecDeque<Receiver<bool>>,
+}
+
+impl Drop for Checks {
+    fn drop(&mut self) {
+        self.reply.ended.store(true, Ordering::Relaxed);
+    }
 }
 
 impl Checks {
-    /// Whether the next chunk in send order matches its checksum. Where the pool gives no
-    /// answer (it lost the job), the check runs here.
+    /// Whether the next chunk in send order matches its checksum: the pool's answer, or this
+    /// thread's own check when the pool has not started the chunk (or lost the job).
     pub fn next_ok(&mut self) -> bool {
         let i = self.next;
-        if i >= self.items.len() {
+        let r = &*self.reply;
+        if i >= r.items.len() {
             return false;
         }
         self.next += 1;
-        if i > 0 && i.is_multiple_of(WINDOW) {
-            self.windows.pop_front();
-        }
         // Keep the window holding `i` and the one after it with the pool.
-        while self.submitted < self.items.len().min((i / WINDOW + 2) * WINDOW) {
-            self.submit();
+        while self.submitted < r.items.len().min((i / WINDOW + 2) * WINDOW) {
+            let end = r.items.len().min(self.submitted + WINDOW);
+            // If the pool is gone the job comes back dropped and the chunks are checked here.
+            let _ = self.jobs.send(Job {
+                reply: self.reply.clone(),
+                range: self.submitted..end,
+            });
+            self.submitted = end;
         }
-        match self.windows.front().map(|w| w.recv()) {
-            Some(Ok(ok)) => ok,
-            _ => {
-                let (v, c) = &self.items[i];
-                v.chunk_ok(*c)
+        if let Some(ok) = r.try_check(i) {
+            return ok;
+        }
+        // A pool thread is hashing it: one chunk's work, so wait without sleeping.
+        loop {
+            match r.state[i].load(Ordering::Acquire) {
+                MATCHED => return true,
+                MISMATCHED => return false,
+                _ => std::thread::yield_now(),
             }
         }
-    }
-
-    fn submit(&mut self) {
-        let end = self.items.len().min(self.submitted + WINDOW);
-        let (done, rx) = unbounded();
-        // If the pool is gone the job comes back dropped and `next_ok` checks inline.
-        let _ = self.jobs.send(Job {
-            items: self.items.clone(),
-            range: self.submitted..end,
-            done,
-        });
-        self.windows.push_back(rx);
-        self.submitted = end;
     }
 }
 
@@ -91,10 +117,11 @@ impl Verifier {
                 .name(format!("memkv-verify-{i}"))
                 .spawn(move || {
                     while let Ok(j) = rx.recv() {
-                        for (v, c) in &j.items[j.range] {
-                            let ok = v.chunk_ok(*c);
-                            // Stop at a mismatch (the reply is aborted) or once nobody listens.
-                            if j.done.send(ok).is_err() || !ok {
+                        for i in j.range {
+                            // Stop at a mismatch (the reply is aborted) or once the reply ended.
+                            if j.reply.ended.load(Ordering::Relaxed)
+                                || j.reply.try_check(i) == Some(false)
+                            {
                                 break;
                             }
                         }
@@ -106,12 +133,16 @@ impl Verifier {
 
     /// Starts checking `items` (value, chunk index) in send order.
     pub fn check(&self, items: Vec<(Arc<Value>, usize)>) -> Checks {
+        let state = items.iter().map(|_| AtomicU8::new(UNCLAIMED)).collect();
         Checks {
-            items: Arc::new(items),
+            reply: Arc::new(Reply {
+                items,
+                state,
+                ended: AtomicBool::new(false),
+            }),
             jobs: self.jobs.clone(),
             next: 0,
             submitted: 0,
-            windows: VecDeque::new(),
         }
     }
 }
@@ -156,6 +187,26 @@ mod tests {
         let got: Vec<bool> = (1..=n).map(|_| c.next_ok()).collect();
         let want: Vec<bool> = (1..=n).map(|i| i != 2 * WINDOW + 1).collect();
         assert_eq!(got, want);
+    }
+
+    #[test]
+    fn chunks_the_pool_has_not_started_are_checked_by_the_sender() {
+        let s = Store::new(8 << 20, 1, 0.5).unwrap();
+        let v = stored(&s, 3 * C);
+        v.span.corrupt_for_test(2 * C + 7);
+        // A pool whose threads never take a job: every chunk stays unclaimed.
+        let (jobs, stalled) = unbounded();
+        let idle = Verifier { jobs };
+        let mut c = idle.check(vec![(v.clone(), 1), (v.clone(), 2)]);
+        assert!(c.next_ok());
+        assert!(!c.next_ok(), "the corrupt chunk is caught without the pool");
+        let job = stalled
+            .try_recv()
+            .expect("the chunks were still handed to the pool");
+        assert!(
+            job.range.clone().all(|i| job.reply.try_check(i).is_none()),
+            "a chunk checked by the sender is not checked again"
+        );
     }
 
     #[test]
