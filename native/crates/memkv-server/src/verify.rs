@@ -13,7 +13,8 @@
 //! checks that chunk itself instead of idling the connection for a wake-up.
 
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Sender};
 
@@ -30,12 +31,21 @@ const CLAIMED: u8 = 1;
 const MATCHED: u8 = 2;
 const MISMATCHED: u8 = 3;
 
+/// How long the sender spins for a chunk a pool thread is hashing (one chunk takes ~5 us) before
+/// it sleeps: spinning longer would hold a core the (possibly preempted) pool thread needs.
+const SPIN: Duration = Duration::from_micros(20);
+
 /// One reply's chunks in send order, each with the state of its check.
 struct Reply {
     items: Vec<(Arc<Value>, usize)>,
     state: Vec<AtomicU8>,
     /// Set when the reply ends (sent or aborted): the pool skips what is left.
     ended: AtomicBool,
+    /// The sender sleeps here for a chunk a pool thread is checking; `sleeping` tells the pool
+    /// to wake it (and costs the pool nothing otherwise).
+    sleeping: AtomicBool,
+    lock: Mutex<()>,
+    answered: Condvar,
 }
 
 impl Reply {
@@ -46,8 +56,43 @@ impl Reply {
             .ok()?;
         let (v, c) = &self.items[i];
         let ok = v.chunk_ok(*c);
-        self.state[i].store(if ok { MATCHED } else { MISMATCHED }, Ordering::Release);
+        // SeqCst pairs this store and the load of `sleeping` with the sender's store of
+        // `sleeping` and load of the state: at least one side sees the other's write.
+        self.state[i].store(if ok { MATCHED } else { MISMATCHED }, Ordering::SeqCst);
+        if self.sleeping.load(Ordering::SeqCst) {
+            let _g = self.lock.lock().unwrap();
+            self.answered.notify_all();
+        }
         Some(ok)
+    }
+
+    /// The answer for chunk `i` if it has one.
+    fn answer(&self, i: usize) -> Option<bool> {
+        match self.state[i].load(Ordering::SeqCst) {
+            MATCHED => Some(true),
+            MISMATCHED => Some(false),
+            _ => None,
+        }
+    }
+
+    /// Waits for the answer for chunk `i`, which a pool thread is checking.
+    fn wait(&self, i: usize) -> bool {
+        let spin_until = Instant::now() + SPIN;
+        while Instant::now() < spin_until {
+            if let Some(ok) = self.answer(i) {
+                return ok;
+            }
+            std::hint::spin_loop();
+        }
+        let mut g = self.lock.lock().unwrap();
+        self.sleeping.store(true, Ordering::SeqCst);
+        loop {
+            if let Some(ok) = self.answer(i) {
+                self.sleeping.store(false, Ordering::Relaxed);
+                return ok;
+            }
+            g = self.answered.wait(g).unwrap();
+        }
     }
 }
 
@@ -94,17 +139,9 @@ impl Checks {
             });
             self.submitted = end;
         }
-        if let Some(ok) = r.try_check(i) {
-            return ok;
-        }
-        // A pool thread is hashing it: one chunk's work, so wait without sleeping.
-        loop {
-            match r.state[i].load(Ordering::Acquire) {
-                MATCHED => return true,
-                MISMATCHED => return false,
-                _ => std::thread::yield_now(),
-            }
-        }
+        r.answer(i)
+            .or_else(|| r.try_check(i))
+            .unwrap_or_else(|| r.wait(i))
     }
 }
 
@@ -139,6 +176,9 @@ impl Verifier {
                 items,
                 state,
                 ended: AtomicBool::new(false),
+                sleeping: AtomicBool::new(false),
+                lock: Mutex::new(()),
+                answered: Condvar::new(),
             }),
             jobs: self.jobs.clone(),
             next: 0,
@@ -206,6 +246,37 @@ mod tests {
         assert!(
             job.range.clone().all(|i| job.reply.try_check(i).is_none()),
             "a chunk checked by the sender is not checked again"
+        );
+    }
+
+    #[test]
+    fn the_sender_sleeps_until_the_pool_thread_checking_its_chunk_answers() {
+        let s = Store::new(8 << 20, 1, 0.5).unwrap();
+        let v = stored(&s, 2 * C);
+        let (jobs, _stalled) = unbounded();
+        let c = Verifier { jobs }.check(vec![(v.clone(), 1)]);
+        let r = c.reply.clone();
+        // Stand in for a pool thread that claimed the chunk and was preempted for 50 ms.
+        r.state[0].store(CLAIMED, Ordering::SeqCst);
+        let pool = {
+            let r = r.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                r.state[0].store(UNCLAIMED, Ordering::SeqCst);
+                r.try_check(0)
+            })
+        };
+        let t = Instant::now();
+        let mut c = c;
+        assert!(c.next_ok());
+        assert!(
+            t.elapsed() >= Duration::from_millis(40),
+            "answered before the check ran"
+        );
+        assert_eq!(
+            pool.join().unwrap(),
+            Some(true),
+            "the chunk was checked once, by the pool"
         );
     }
 
