@@ -208,11 +208,11 @@ def test_cli_bench_prints_every_point_next_to_same_run_ceilings():
     is recorded in docs/benchmarks.md."""
     out = subprocess.run(
         memkv_command() + ["bench", "--sizes", "64K,4M", "--threads", "1,2", "--volume", "16M",
-                           "--memory", "128M", "--repeat", "2", "--keys", "3"],
+                           "--memory", "128M", "--repeat", "3", "--keys", "3", "--show-rounds"],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert "3 keys per thread" in lines[0] and "best of 2 rounds" in lines[0]
+    assert "3 keys per thread" in lines[0] and "best of 3 rounds" in lines[0]
     assert float(lines[1].split(":")[1].split()[0]) > 0  # XXH3 rate
     assert float(lines[2].split(":")[1].split()[0]) > 0  # loopback round trip
     rows = [ln for ln in lines if ln.lstrip()[:1].isdigit() and "|" in ln]
@@ -224,6 +224,19 @@ def test_cli_bench_prints_every_point_next_to_same_run_ceilings():
         memcpy, tcp, tcp_n = map(float, ceilings.split())
         put, get = map(float, put_get.split())
         assert min(memcpy, tcp, tcp_n, put, get) > 0
+        # Each system is its best round; a ceiling is the best round of the receiver strategy
+        # (whole values / pieces) with the higher median: all from the same 3 rounds.
+        rounds = [dict(zip(rd.split()[::2], rd.split()[1::2], strict=True))
+                  for rd in lines[lines.index(r) + 1].split("rounds:")[1].split(";")]
+        assert len(rounds) == 3
+        assert put == max(float(rd["put"]) for rd in rounds)
+        assert get == max(float(rd["get"]) for rd in rounds)
+        for name, printed in (("tcp", tcp), ("tcp*thr", tcp_n)):
+            by = [[float(rd[name].split("/")[s]) for rd in rounds] for s in (0, 1)]
+            medians = [sorted(v)[1] for v in by]
+            # Medians equal after rounding to the printed 0.01 may pick either strategy.
+            picks = [s for s in (0, 1) if medians[s] == max(medians)]
+            assert printed in [max(by[s]) for s in picks], (name, by, printed)
         if vt.split()[1] == "1":
             assert tcp_n == tcp  # one client thread: the per-thread ceiling is the one stream
         for pcts, ceiling in ((ratios, tcp), (ratios_n, tcp_n)):

@@ -49,6 +49,10 @@ pub struct BenchArgs {
     /// Also measure a local Redis (starts `redis-server` from PATH on a free port).
     #[arg(long)]
     vs_redis: bool,
+    /// After each row, print every round's measurements (GB/s): the TCP ceilings with the
+    /// receiver reading whole values / 256 KiB pieces, then memkv put and get.
+    #[arg(long)]
+    show_rounds: bool,
 }
 
 /// Best of `n` runs of a throughput measurement.
@@ -520,6 +524,7 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
             };
             let (mut one, mut many) = (Vec::with_capacity(rep), Vec::with_capacity(rep));
             let mut b = [0f64; 4];
+            let mut rounds = Vec::with_capacity(rep);
             for _ in 0..rep {
                 one.push(tcp(1)?);
                 many.push(if th == 1 {
@@ -539,6 +544,15 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                         None => 0.0,
                     },
                 ];
+                rounds.push(format!(
+                    "tcp {:.2}/{:.2} tcp*thr {:.2}/{:.2} put {:.2} get {:.2}",
+                    one[one.len() - 1][0],
+                    one[one.len() - 1][1],
+                    many[many.len() - 1][0],
+                    many[many.len() - 1][1],
+                    round[0],
+                    round[1]
+                ));
                 for (b, r) in b.iter_mut().zip(round) {
                     *b = b.max(r);
                 }
@@ -564,6 +578,9 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                 line += &format!(" {:>9.2} {:>9.2} {:>9.2}x {:>8.2}x", rp, rg, p / rp, g / rg);
             }
             println!("{line}");
+            if a.show_rounds {
+                println!("    rounds: {}", rounds.join("; "));
+            }
             if size >= TARGET_FROM {
                 summary.add(pct(p, tcp), pct(p, tcp_n));
                 summary.add(pct(g, tcp), pct(g, tcp_n));
