@@ -254,7 +254,7 @@ mod tests {
         let s = Store::new(8 << 20, 1, 0.5).unwrap();
         let v = stored(&s, 2 * C);
         let (jobs, _stalled) = unbounded();
-        let c = Verifier { jobs }.check(vec![(v.clone(), 1)]);
+        let mut c = Verifier { jobs }.check(vec![(v.clone(), 1)]);
         let r = c.reply.clone();
         // Stand in for a pool thread that claimed the chunk and was preempted for 50 ms.
         r.state[0].store(CLAIMED, Ordering::SeqCst);
@@ -267,7 +267,6 @@ mod tests {
             })
         };
         let t = Instant::now();
-        let mut c = c;
         assert!(c.next_ok());
         assert!(
             t.elapsed() >= Duration::from_millis(40),
