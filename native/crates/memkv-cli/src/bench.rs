@@ -522,17 +522,13 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                 }
                 Ok(r)
             };
-            let (mut one, mut many) = (Vec::with_capacity(rep), Vec::with_capacity(rep));
-            let mut b = [0f64; 4];
-            let mut rounds = Vec::with_capacity(rep);
+            // Per round: the one-stream and per-thread ceilings ([whole, pieces] each), then
+            // memkv put, get, Redis set, get.
+            let mut rounds: Vec<([f64; 2], [f64; 2], [f64; 4])> = Vec::with_capacity(rep);
             for _ in 0..rep {
-                one.push(tcp(1)?);
-                many.push(if th == 1 {
-                    one[one.len() - 1]
-                } else {
-                    tcp(th)?
-                });
-                let round = [
+                let one = tcp(1)?;
+                let many = if th == 1 { one } else { tcp(th)? };
+                let systems = [
                     memkv_point(&client, size, th, &w, volume, true),
                     memkv_point(&client, size, th, &w, volume, false),
                     match &redis {
@@ -544,20 +540,12 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                         None => 0.0,
                     },
                 ];
-                rounds.push(format!(
-                    "tcp {:.2}/{:.2} tcp*thr {:.2}/{:.2} put {:.2} get {:.2}",
-                    one[one.len() - 1][0],
-                    one[one.len() - 1][1],
-                    many[many.len() - 1][0],
-                    many[many.len() - 1][1],
-                    round[0],
-                    round[1]
-                ));
-                for (b, r) in b.iter_mut().zip(round) {
-                    *b = b.max(r);
-                }
+                rounds.push((one, many, systems));
             }
-            let [p, g, rp, rg] = b;
+            let best_of = |k: usize| rounds.iter().map(|r| r.2[k]).fold(0.0, f64::max);
+            let [p, g, rp, rg] = [0, 1, 2, 3].map(best_of);
+            let one: Vec<[f64; 2]> = rounds.iter().map(|r| r.0).collect();
+            let many: Vec<[f64; 2]> = rounds.iter().map(|r| r.1).collect();
             let (tcp, tcp_n) = (ceiling(&one), ceiling(&many));
             let pct = |x: f64, c: f64| 100.0 * x / c;
             let mut line = format!(
@@ -579,7 +567,16 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
             }
             println!("{line}");
             if a.show_rounds {
-                println!("    rounds: {}", rounds.join("; "));
+                let each: Vec<String> = rounds
+                    .iter()
+                    .map(|(o, m, x)| {
+                        format!(
+                            "tcp {:.2}/{:.2} tcp*thr {:.2}/{:.2} put {:.2} get {:.2}",
+                            o[0], o[1], m[0], m[1], x[0], x[1]
+                        )
+                    })
+                    .collect();
+                println!("    rounds: {}", each.join("; "));
             }
             if size >= TARGET_FROM {
                 summary.add(pct(p, tcp), pct(p, tcp_n));

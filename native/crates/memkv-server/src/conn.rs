@@ -270,9 +270,8 @@ impl Conn<'_> {
     /// those stored ever leaves. The first chunk (all of a value up to 256 KiB) is checked before
     /// the reply starts and a mismatch there answers `Corrupt`; later chunks are checked by the
     /// verifier pool ahead of the send (or here, when the pool has not started one yet), and a
-    /// mismatch drops the value and aborts
-    /// the connection, which the client sees as a miss. Values stay referenced (not freed by
-    /// eviction) until sent.
+    /// mismatch drops the value and aborts the connection, which the client sees as a miss.
+    /// Values stay referenced (not freed by eviction) until sent.
     fn get(&mut self, h: &Header, body: &[u8]) -> Result<(), End> {
         let items = proto::decode_key_lens(body)?;
         let store = &*self.ctx.store;
