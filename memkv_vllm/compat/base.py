@@ -313,6 +313,11 @@ class VllmAdapter(ABC):
         return False
 
     @abstractmethod
+    def engine_id(self, spec: Any) -> str:
+        """The id of the engine an offloading spec belongs to (unique per DP replica; names the
+        CPU pool's shared region)."""
+
+    @abstractmethod
     def open_worker_region(self, spec: Any, rank: int) -> Any:
         """The worker's mapping of the CPU pool's shared region (what the tiers read). The caller
         owns it and calls its `cleanup()`."""

@@ -62,11 +62,14 @@ class Api025(VllmAdapter):
     def blocks_per_chunk(self, spec: Any) -> int:
         return int(spec.block_size_factor)
 
+    def engine_id(self, spec: Any) -> str:
+        return str(spec.vllm_config.instance_id)  # 0.25 names it the instance id
+
     def open_worker_region(self, spec: Any, rank: int) -> Any:
         from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
         return SharedOffloadRegion(
-            instance_id=spec.vllm_config.instance_id,
+            instance_id=self.engine_id(spec),
             num_blocks=spec.num_blocks,
             rank=rank,
             kv_bytes_per_block=spec.kv_bytes_per_offloaded_block,

@@ -36,6 +36,9 @@ class Api026(Api025):
     def uses_canonical_layout(self, spec: Any) -> bool:
         return bool(getattr(spec.config, "canonical_layout", False))
 
+    def engine_id(self, spec: Any) -> str:
+        return str(spec.config.engine_id)
+
     def open_worker_region(self, spec: Any, rank: int) -> Any:
         from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
@@ -44,7 +47,7 @@ class Api026(Api025):
         if kv_bytes is None:
             kv_bytes = spec.kv_bytes_per_offloaded_block
         return SharedOffloadRegion(
-            engine_id=spec.config.engine_id,
+            engine_id=self.engine_id(spec),
             num_blocks=spec.num_blocks,
             rank=rank,
             kv_bytes_per_block=kv_bytes,
