@@ -18,13 +18,13 @@ def register() -> None:
     vLLM's start-up even for engines that do not use memkv. Without vLLM it does nothing.
     """
     try:
-        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+        from memkv_vllm.compat import api
+
+        adapter = api()
     except Exception:
         return  # vLLM absent or without the tiering API: nothing to plug into
     try:
-        SecondaryTierFactory.register_tier("memkv", "memkv_vllm.tier", "MemKVSecondaryTierManager")
-    except ValueError:
-        pass  # already registered (plugins may load more than once per process)
+        adapter.register_tier("memkv", "memkv_vllm.tier", "MemKVSecondaryTierManager")
     except Exception as e:
         _log.warning("memkv: could not register the memkv tier type: %s", e)
     try:

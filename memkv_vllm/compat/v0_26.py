@@ -10,19 +10,19 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from memkv_vllm.compat.v0_25 import VllmApi
+from memkv_vllm.compat.v0_25 import Api025
 
 
-class Api026(VllmApi):
+class Api026(Api025):
     name = "0.26"
 
     @staticmethod
     def probe() -> bool:
-        return VllmApi.probe() and importlib.util.find_spec("vllm.v1.kv_offload.config") is not None
+        return Api025.probe() and importlib.util.find_spec("vllm.v1.kv_offload.config") is not None
 
-    def remote_locality(self) -> Any:
-        locality = getattr(self.kvb, "Locality", None)
-        return None if locality is None else locality.REMOTE
+    def locality(self, name: str | None) -> Any:
+        # 0.26 defines Locality but no tier attribute reads it yet; 0.27+ filters on it.
+        return self.kvb.Locality((name or "remote").upper())
 
     def worker_rank(self, spec: Any) -> int:
         if getattr(spec, "replicated_layout", False):
@@ -36,15 +36,18 @@ class Api026(VllmApi):
     def uses_canonical_layout(self, spec: Any) -> bool:
         return bool(getattr(spec.config, "canonical_layout", False))
 
+    def engine_id(self, spec: Any) -> str:
+        return str(spec.config.engine_id)
+
     def open_worker_region(self, spec: Any, rank: int) -> Any:
         from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-        engine_id = getattr(spec, "_engine_id", None) or spec.config.engine_id
+        # 0.28-0.29 name the row size kv_bytes_per_chunk while the region still says "block".
         kv_bytes = getattr(spec, "kv_bytes_per_chunk", None)
         if kv_bytes is None:
             kv_bytes = spec.kv_bytes_per_offloaded_block
         return SharedOffloadRegion(
-            engine_id=engine_id,
+            engine_id=self.engine_id(spec),
             num_blocks=spec.num_blocks,
             rank=rank,
             kv_bytes_per_block=kv_bytes,

@@ -16,7 +16,6 @@ from memkv_vllm.compat.v0_26 import Api026
 
 class Api028(Api026):
     name = "0.28"
-    partial_results = True
 
     @staticmethod
     def probe() -> bool:

@@ -32,7 +32,7 @@ class Api030(Api028):
 
         # The tiering spec passes no barrier: it keeps the file until shutdown.
         return SharedOffloadRegion(
-            engine_id=getattr(spec, "_engine_id", None) or spec.config.engine_id,
+            engine_id=self.engine_id(spec),
             num_chunks=spec.num_chunks,
             rank=rank,
             kv_bytes_per_chunk=spec.kv_bytes_per_chunk,

@@ -26,6 +26,7 @@ class Api031(Api030):
         params = inspect.signature(tb.SecondaryTierManager.__init__).parameters
         return "backpressure_detector" in params
 
-    def tier_base_kwargs(self, backpressure_detector: Any) -> dict[str, Any]:
-        return {"backpressure_detector": backpressure_detector}
+    def tier_base_kwargs(self, tier_kwargs: dict[str, Any]) -> dict[str, Any]:
+        # The base class keeps it as `bp_detector`, which the manager consults before cascading.
+        return {"backpressure_detector": tier_kwargs.pop("backpressure_detector", None)}
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 from vllm.v1.core import kv_cache_utils  # noqa: E402
-from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.base import ReqContext  # noqa: E402
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.manager import (  # noqa: E402
     CPUPrimaryTierOffloadingManager,
@@ -31,6 +31,7 @@ from vllm.v1.kv_offload.tiering.manager import (  # noqa: E402
 )
 
 import memkv_vllm  # noqa: E402
+from memkv_vllm.compat import api  # noqa: E402
 
 ROW = 8192  # bytes per pool row (one offloaded chunk, all workers); page-aligned like vLLM's
 
@@ -73,7 +74,7 @@ class Engine:
         return ReqContext(req_id=f"req-{next(self._req_ids)}")
 
     def step(self) -> None:
-        self.manager.on_schedule_end(ScheduleEndContext([], ()))
+        self.manager.on_schedule_end(api().schedule_end_context())
 
     def store(self, keys: list[bytes], fill: Callable[[int, int], None]) -> None:
         """GPU->CPU store as the connector drives it: prepare, 'copy' into the slots, complete.
@@ -82,7 +83,7 @@ class Engine:
         self.manager.on_new_request(ctx)
         out = self.manager.prepare_store(keys, ctx)
         assert out is not None and list(out.keys_to_store) == keys
-        for i, slot in enumerate(_slots(out.store_spec)):
+        for i, slot in enumerate(api().pool_slots(out.store_spec)):
             fill(i, slot)
         self.manager.complete_store(keys, ctx)
         self.manager.on_request_finished(ctx)
@@ -110,13 +111,8 @@ class Engine:
         self.manager.shutdown()
 
 
-def _slots(spec: Any) -> list[int]:
-    ids = getattr(spec, "chunk_ids", None)
-    return [int(s) for s in (spec.block_ids if ids is None else ids)]
-
-
 def okey(i: int, group: int = 0) -> bytes:
-    return make_offload_key(i.to_bytes(32, "big"), group)
+    return api().make_offload_key(i.to_bytes(32, "big"), group)
 
 
 def pattern(key_index: int) -> np.ndarray:

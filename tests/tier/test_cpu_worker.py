@@ -17,6 +17,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
+from memkv_vllm.compat import api
 from memkv_vllm.cpu_worker import SyncCopyWorker
 
 BPC = 4  # blocks per chunk
@@ -56,7 +57,8 @@ def _setup():
                          [CanonicalKVCacheRef(tensor_idx=1, page_size_bytes=150)]],
     )
     region = Region()
-    return kv, caches, region, SyncCopyWorker(caches, BPC, region)
+    worker_cls = api().offloading_worker_class(SyncCopyWorker)
+    return kv, caches, region, worker_cls(caches, BPC, region)
 
 
 def _pool_slice(region: Region, t_idx: int, chunk: int, pos: int, size: int) -> np.ndarray:

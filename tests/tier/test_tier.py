@@ -9,11 +9,14 @@ import uuid
 
 import numpy as np
 from harness import ROW, okey, pattern
-from vllm.v1.kv_offload.base import LookupResult as LR
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 import memkv_vllm
-from memkv_vllm.tier import METRICS, MemKVSecondaryTierManager
+from memkv_vllm.compat import api
+from memkv_vllm.compat.base import TIER_METRICS as METRICS
+from memkv_vllm.tier import MemKVSecondaryTierManager
+
+LR = api().LookupResult
 
 
 def _cfg(address: str, **kw) -> dict:
@@ -49,9 +52,7 @@ def _load_into_primary(b, keys, ctx, timeout=10.0) -> float:
 
 
 def _rows_of(b, keys, ctx) -> list[np.ndarray]:
-    spec = b.manager.prepare_load(keys, ctx)
-    ids = getattr(spec, "chunk_ids", None)
-    slots = [int(s) for s in (spec.block_ids if ids is None else ids)]
+    slots = api().pool_slots(b.manager.prepare_load(keys, ctx))
     rows = [b.pool[s].copy() for s in slots]
     b.manager.complete_load(keys, ctx)
     return rows
@@ -148,7 +149,7 @@ def test_evicted_between_lookup_and_load_frees_slots_and_stays_a_miss(memkv_serv
     layout = b.tier._key_layout()
     c = _client(memkv_server.address)
     try:
-        c.delete([layout.offload_key(k) for k in keys[2:]])
+        c.delete([b.tier._remote_key(layout, k) for k in keys[2:]])
     finally:
         c.close()
     # Keys 0,1 load; 2,3 fail: their slots are freed and they read as misses from now on.
@@ -229,10 +230,8 @@ def test_server_down_is_a_miss_and_a_failed_store_never_an_error(memkv_server, e
 
 
 def test_metrics_are_declared_and_reported(memkv_server, engines) -> None:
-    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-
     cfg = _cfg(memkv_server.address)
-    defs = TieringOffloadingSpec.build_metric_definitions(
+    defs = api().tiering_spec_class().build_metric_definitions(
         {"secondary_tiers": [{"type": "memkv", **cfg}]})
     for name, _kind, labels, _ in METRICS.values():
         assert name in defs and tuple(defs[name].labelnames) == labels

@@ -1,0 +1,340 @@
+"""The adapter contract: everything memkv_vllm needs from vLLM, phrased without vLLM versions.
+
+`VllmAdapter` is the only door to vLLM. tier.py, cpu_worker.py, register() and the tests call its
+methods; one subclass per vLLM API generation (v0_25 ... v0_31) overrides what that generation
+changed, and `memkv_vllm.compat.api()` picks one per process by probing features.
+
+Callers and threads: adapter methods are called from vLLM's processes — the scheduler process
+(tier construction, lookups, jobs, stats: scheduler thread), the front-end process (metric
+declarations) and every worker process (CPU-platform worker). They are plain functions of their
+arguments and of the installed vLLM: no I/O, no blocking, no state beyond the imported modules,
+so any thread may call them. A method that cannot do its job raises; callers on vLLM's hot path
+catch that and degrade (a miss, a failed job), callers at startup let it abort the start.
+
+vLLM's imports live here and in the generation modules only (a test scans the package for others).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import importlib
+import logging
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from memkv_vllm.interface import Lookup
+
+logger = logging.getLogger(__name__)
+
+_M = "vllm:kv_offload_memkv_"
+# Metrics of the memkv tier: key -> (name, kind, label names, documentation).
+TIER_METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
+    "lookups": (_M + "lookups", "counter", ("result",),
+                "memkv tier lookups by answer (hit, miss, pending)."),
+    "lookup_timeouts": (_M + "lookup_timeouts", "counter", (),
+                        "memkv lookups answered MISS because the probe passed lookup_timeout_s."),
+    "blocks": (_M + "blocks", "counter", ("op", "result"),
+               "Offloaded chunks moved by the memkv tier (op: load/store; result: ok, failed, "
+               "shed, skipped)."),
+    "bytes": (_M + "bytes", "counter", ("op",), "Bytes moved by the memkv tier."),
+    "store_backlog_bytes": (_M + "store_backlog_bytes", "gauge", (),
+                            "Bytes of queued or in-flight memkv stores."),
+    "held_loads": (_M + "held_load_jobs", "gauge", (),
+                   "Timed-out loads whose pool slots are held for load_failure_grace_s."),
+}
+# Offloader.stats() counter -> (metric key, label values)
+_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "lookup_hit": ("lookups", ("hit",)),
+    "lookup_miss": ("lookups", ("miss",)),
+    "lookup_pending": ("lookups", ("pending",)),
+    "lookup_timeouts": ("lookup_timeouts", ()),
+    "load_blocks_ok": ("blocks", ("load", "ok")),
+    "load_blocks_failed": ("blocks", ("load", "failed")),
+    "store_blocks_ok": ("blocks", ("store", "ok")),
+    "store_blocks_failed": ("blocks", ("store", "failed")),
+    "store_blocks_shed": ("blocks", ("store", "shed")),
+    "store_blocks_skipped": ("blocks", ("store", "skipped")),
+    "load_bytes": ("bytes", ("load",)),
+    "store_bytes": ("bytes", ("store",)),
+}
+# Offloader.stats() gauge -> metric key
+_GAUGES = {"store_backlog_bytes": "store_backlog_bytes", "load_jobs_held_now": "held_loads"}
+
+
+class VllmAdapter(ABC):
+    """One vLLM offloading-API generation, seen from memkv_vllm (see the module doc)."""
+
+    name: str  # the generation, e.g. "0.28" (goes into the key namespace: layouts differ)
+
+    @staticmethod
+    @abstractmethod
+    def probe() -> bool:
+        """Does the installed vLLM offer this generation's defining feature? Imports vLLM; never
+        raises (False when vLLM is absent). A newer vLLM passes the probes of older generations
+        too, so `api()` asks the newest first."""
+
+    def __init__(self) -> None:
+        from vllm.v1.kv_offload import base as kvb
+        from vllm.v1.kv_offload.tiering import base as tb
+
+        self.kvb = kvb
+        self.tb = tb
+        self.LookupResult = kvb.LookupResult
+        self.SecondaryTierManager = tb.SecondaryTierManager
+
+    # ------------------------------------------------------------------ registration
+    def register_tier(self, tier_type: str, module_path: str, class_name: str) -> None:
+        """Make `tier_type` a secondary-tier type of vLLM's tier factory (front end and scheduler
+        both resolve it). Idempotent: a second registration in one process is a no-op."""
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+        try:
+            SecondaryTierFactory.register_tier(tier_type, module_path, class_name)
+        except ValueError:
+            pass  # already registered (plugins may load more than once per process)
+
+    def replace_builtin_spec(self, spec_name: str, loader: Callable[[], type]) -> None:
+        """Make vLLM's built-in offloading spec `spec_name` resolve to `loader()`.
+
+        vLLM has no public hook to replace a built-in spec (register_spec refuses known names), so
+        this writes the factory's private `_registry`, which maps names to lazy loaders. Raises
+        RuntimeError when that registry is not the expected shape, so that a vLLM that changed it
+        fails loudly here (and in the test that calls this) instead of silently using upstream's
+        worker.
+        """
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+        registry = getattr(OffloadingSpecFactory, "_registry", None)
+        if not isinstance(registry, dict) or not callable(registry.get(spec_name)):
+            raise RuntimeError(f"vLLM's OffloadingSpecFactory._registry no longer maps "
+                               f"{spec_name!r} to a loader; cannot install the memkv CPU worker")
+        registry[spec_name] = loader
+
+    def resolve_builtin_spec(self, spec_name: str) -> type:
+        """The class vLLM's spec factory resolves the built-in name `spec_name` to (what
+        `replace_builtin_spec` changed)."""
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+        return OffloadingSpecFactory._registry[spec_name]()
+
+    # ------------------------------------------------------------------ tier construction
+    def tier_base_kwargs(self, tier_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Pop from `tier_kwargs` (everything vLLM's tier factory passed besides spec, view and
+        type) the framework arguments this generation's SecondaryTierManager.__init__ takes, and
+        return them for the `super().__init__` call. The rest are the tier's own keys."""
+        return {}
+
+    def locality(self, name: str | None) -> Any:
+        """The tier's `locality` attribute, which a request's kv_load_tiers filter matches:
+        `name` ("remote", "local") or REMOTE by default; None where vLLM has no Locality."""
+        return None
+
+    def request_context(self) -> Any:
+        """What the tier's on_new_request returns: the default policy (offload new chunks only)."""
+        return self.kvb.RequestOffloadingContext()
+
+    # ------------------------------------------------------------------ lookups
+    def lookup_result(self, verdict: Lookup) -> Any:
+        """vLLM's LookupResult for an Offloader verdict: PENDING -> RETRY (the manager defers the
+        request and asks again next step). HIT_PENDING is never answered by a tier: vLLM's
+        TieringOffloadingManager only acts on a tier's HIT and RETRY and would read HIT_PENDING
+        as a miss; the manager itself answers HIT_PENDING (0.28+) once it started a promotion."""
+        lr = self.LookupResult
+        return {Lookup.HIT: lr.HIT, Lookup.MISS: lr.MISS, Lookup.PENDING: lr.RETRY}[verdict]
+
+    def schedule_end_context(self, new_req_ids: Collection[str] = (),
+                             preempted_req_ids: Collection[str] = ()) -> Any:
+        """A ScheduleEndContext as the scheduler builds it at the end of a step."""
+        return self.kvb.ScheduleEndContext(list(new_req_ids), tuple(preempted_req_ids))
+
+    def preempted_request_ids(self, context: Any) -> Collection[str]:
+        """Requests preempted in the step that `context` (a ScheduleEndContext or None) ends."""
+        return tuple(getattr(context, "preempted_req_ids", None) or ())
+
+    def request_id(self, req_context: Any) -> str:
+        """The request id of a ReqContext."""
+        return str(req_context.req_id)
+
+    # ------------------------------------------------------------------ keys
+    def make_offload_key(self, block_hash: bytes, group_idx: int) -> bytes:
+        """vLLM's OffloadKey of (block hash, KV-cache group)."""
+        return bytes(self.kvb.make_offload_key(block_hash, group_idx))
+
+    def split_offload_key(self, key: bytes) -> tuple[bytes, int]:
+        """(block hash, KV-cache group index) of a vLLM OffloadKey."""
+        return (bytes(self.kvb.get_offload_block_hash(key)),
+                int(self.kvb.get_offload_group_idx(key)))
+
+    @abstractmethod
+    def spec_config_fields(self, spec: Any, prefix: str) -> tuple[str, dict[str, Any]]:
+        """(model name, every setting that changes the KV bytes behind a block hash) of an
+        offloading spec, for the key namespace. Raises if `spec` is not a real vLLM spec."""
+
+    def none_hash_digest(self) -> str | None:
+        """Digest of the block-hash chain's seed, or None before vLLM initialized it (it does so
+        after building the tiers, so callers ask lazily).
+
+        Different seeds give unrelated hashes; putting the seed in the namespace keeps engines
+        with different seeds from even probing each other's keys.
+        """
+        from vllm.v1.core import kv_cache_utils
+
+        nh = getattr(kv_cache_utils, "NONE_HASH", None)
+        if nh is None:
+            return None
+        return hashlib.sha256(bytes(nh)).hexdigest()[:16]
+
+    def block_hashes_reproducible(self) -> tuple[bool, str]:
+        """Will another process compute the same block hashes? (answer, reason if not)."""
+        if os.environ.get("PYTHONHASHSEED"):
+            return True, ""
+        kcu = importlib.import_module("vllm.v1.core.kv_cache_utils")
+        if not hasattr(kcu, "get_none_hash_seed"):
+            return False, "PYTHONHASHSEED is unset, so this vLLM seeds block hashes randomly"
+        # 0.29+: a fixed seed for sha256/sha256_cbor, still a random one for xxhash. The algorithm
+        # is not always visible from the scheduler, but xxh3-128 digests are 16 bytes long.
+        algo = self._hash_algo() or ""
+        nh = getattr(kcu, "NONE_HASH", None)
+        if algo.startswith("xxhash") or (nh is not None and len(nh) == 16):
+            return False, "prefix_caching_hash_algo=xxhash seeds block hashes randomly"
+        return True, ""
+
+    def _hash_algo(self) -> str | None:
+        try:
+            from vllm.config import get_current_vllm_config
+
+            return str(get_current_vllm_config().cache_config.prefix_caching_hash_algo)
+        except Exception:
+            return None
+
+    # ------------------------------------------------------------------ tier jobs
+    @abstractmethod
+    def job_slots(self, job: Any) -> list[int]:
+        """Primary-pool rows of a tier job, as Python ints (offsets must not wrap in int32)."""
+
+    def pool_slots(self, load_store_spec: Any) -> list[int]:
+        """Pool rows of a CPULoadStoreSpec (what the primary tier's prepare_* return)."""
+        return [int(s) for s in load_store_spec.block_ids]
+
+    @abstractmethod
+    def job_result(self, job_id: int, success: bool, *,
+                   successful_keys: Collection[bytes] | None = None,
+                   transfer_time: float | None = None,
+                   transfer_bytes: int | None = None) -> Any:
+        """A JobResult; `successful_keys` (loads only) names the keys that transferred when not
+        all did. Fields a generation lacks are dropped."""
+
+    def transfer_result(self, job_id: int, nbytes: int, seconds: float) -> Any:
+        """A successful worker TransferResult (a worker never reports failure: vLLM asserts)."""
+        return self.kvb.TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
+                                       transfer_time=seconds)
+
+    # ------------------------------------------------------------------ metrics
+    def metric_definitions(self) -> dict[str, Any]:
+        """The tier's metric declarations for build_metric_definitions (front end)."""
+        defs = {}
+        for name, kind, labels, doc in TIER_METRICS.values():
+            meta = self.kvb.OffloadingCounterMetadata if kind == "counter" else (
+                self.kvb.OffloadingGaugeMetadata)
+            defs[name] = meta(documentation=doc, labelnames=tuple(labels))
+        return defs
+
+    def stats_since(self, now: Mapping[str, int], reported: collections.Counter[str]) -> Any:
+        """An OffloadingConnectorStats with what changed in `now` (Offloader.stats()) since
+        `reported`, which is updated; None when nothing changed. Counters are sent as deltas
+        (vLLM adds them up), gauges when their value changed."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        stats = OffloadingConnectorStats()
+        changed = False
+        for counter, (metric, labels) in _COUNTERS.items():
+            value = now.get(counter, 0)
+            if value > reported[counter]:
+                stats.increase_counter(TIER_METRICS[metric][0], value - reported[counter],
+                                       labels)
+                reported[counter] = value
+                changed = True
+        for gauge, metric in _GAUGES.items():
+            value = now.get(gauge, 0)
+            if value != reported["gauge:" + gauge]:
+                stats.set_gauge(TIER_METRICS[metric][0], value)
+                reported["gauge:" + gauge] = value
+                changed = True
+        return stats if changed else None
+
+    # ------------------------------------------------------------------ CPU platform worker
+    def is_cpu_platform(self) -> bool:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+
+    def tiering_spec_class(self) -> type:
+        """vLLM's TieringOffloadingSpec (the class the CPU-platform spec derives from)."""
+        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+        return TieringOffloadingSpec
+
+    def offloading_worker_class(self, core: type) -> type:
+        """An OffloadingWorker subclass running `core`'s synchronous copies.
+
+        `core` implements `copy(to_pool, job_id, src_spec, dst_spec) -> bool`, `get_finished()`,
+        `wait(job_ids)` and `shutdown()`. vLLM 0.33 adds `submit_load(..., expedited=False)`
+        (a load to finish before the next forward pass); the copies here finish inside
+        `submit_*`, which satisfies it on every generation, so the argument is accepted and
+        needs no action.
+        """
+        from vllm.v1.kv_offload.base import OffloadingWorker
+
+        def submit_store(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+            return bool(self.copy(True, job_id, src_spec, dst_spec))
+
+        def submit_load(self: Any, job_id: int, src_spec: Any, dst_spec: Any,
+                        expedited: bool = False) -> bool:
+            return bool(self.copy(False, job_id, src_spec, dst_spec))
+
+        return type("MemKVSyncCopyWorker", (core, OffloadingWorker),
+                    {"submit_store": submit_store, "submit_load": submit_load})
+
+    @abstractmethod
+    def worker_rank(self, spec: Any) -> int:
+        """Which per-worker area of a pool row this worker fills."""
+
+    @abstractmethod
+    def blocks_per_chunk(self, spec: Any) -> int:
+        """GPU blocks per offloaded chunk."""
+
+    def uses_canonical_layout(self, spec: Any) -> bool:
+        """Does the pool use the canonical cross-worker layout (the CPU worker does not)?"""
+        return False
+
+    @abstractmethod
+    def engine_id(self, spec: Any) -> str:
+        """The id of the engine an offloading spec belongs to (unique per DP replica; names the
+        CPU pool's shared region)."""
+
+    @abstractmethod
+    def open_worker_region(self, spec: Any, rank: int) -> Any:
+        """The worker's mapping of the CPU pool's shared region (what the tiers read). The caller
+        owns it and calls its `cleanup()`."""
+
+    @abstractmethod
+    def region_worker_view(self, region: Any, nbytes: int) -> Any:
+        """Next (num_chunks, nbytes) int8 view of this worker's area for one KV tensor."""
+
+    def _model_dtype(self, spec: Any) -> str | None:
+        vc = getattr(spec, "vllm_config", None)
+        if vc is None:
+            try:
+                from vllm.config import get_current_vllm_config
+
+                vc = get_current_vllm_config()
+            except Exception:
+                vc = None
+        mc = getattr(vc, "model_config", None)
+        return None if mc is None else str(mc.dtype).replace("torch.", "")
+

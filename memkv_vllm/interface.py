@@ -1,0 +1,231 @@
+"""The internal contract between a serving stack and a KV block store, with no vLLM in it.
+
+Two boundaries, each a `typing.Protocol` so that either side can be replaced without the other:
+
+* `Offloader` — what a serving-stack adapter (the vLLM tier in memkv_vllm.tier, a test, another
+  stack) calls: batched non-blocking lookups, load and store jobs over caller memory, completions,
+  stats, buffer registration, close. `memkv_vllm.store.BlockStore` implements it over memkv.
+* `BlockClient` — what an `Offloader` needs from the cluster below it: one asynchronous batched
+  presence probe and two blocking batched transfers between raw memory and the cluster.
+  `memkv_vllm.client.MemKVClient` implements it; `RegisteringClient` adds the optional
+  registration step transports such as RDMA need.
+
+Threads: an `Offloader` belongs to ONE owner thread (vLLM: the scheduler thread). Every method is
+called on that thread and returns without waiting on the network, except `drain()` and `close()`,
+which wait by design. `BlockClient` transfer methods are called on the offloader's own I/O threads
+and may block for up to the client's per-operation timeout.
+
+Failures are values, never exceptions: an unreachable, slow or broken cluster turns into MISS
+verdicts, failed load keys (the caller recomputes) and dropped stores. Programming errors (a job
+outside registered memory, an unknown buffer) raise `ValueError` at the call that made them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+
+class Status(enum.IntEnum):
+    """Per-key outcome of a `BlockClient` call (the numbers of memkv_vllm.client.Status).
+
+    0-8 are memkv's wire status codes; 16 and up are decided by the client itself and never sent.
+    An `Offloader` treats OK and OK_NO_LEASE as success and every other code as "this key did not
+    transfer"; TIMEOUT additionally means the request may still be in flight (see `BlockClient`).
+    """
+
+    OK = 0
+    NOT_FOUND = 1
+    LENGTH_MISMATCH = 2
+    TOO_LARGE = 3
+    NO_SPACE = 4
+    UNAVAILABLE = 5
+    CORRUPT = 6
+    INVALID_KEY = 7
+    OK_NO_LEASE = 8
+    TIMEOUT = 16
+    REFUSED = 17
+    AUTH_FAILED = 18
+    PROTOCOL_ERROR = 19
+
+
+class Lookup(enum.Enum):
+    """Answer of `Offloader.lookup`."""
+
+    PENDING = "pending"  # not known yet: a probe is queued or outstanding; ask again next step
+    HIT = "hit"  # present in the cluster as of the last probe or this offloader's own store
+    MISS = "miss"  # absent, unreachable, or answered too late
+
+
+@attrs.frozen
+class Completion:
+    """One finished job, returned exactly once by `Offloader.poll`."""
+
+    job_id: int
+    is_load: bool
+    ok: bool  # every key transferred
+    # Keys that transferred. Loads: exactly these destinations hold the stored bytes. Stores: these
+    # keys are now in the cluster (including keys skipped because they were known to be there).
+    ok_keys: tuple[bytes, ...]
+    nbytes: int  # bytes actually transferred
+    seconds: float  # submit -> last I/O done, on the offloader's clock
+    shed: bool = False  # a store dropped unsent because of the backlog limit
+
+
+@runtime_checkable
+class ProbeHandle(Protocol):
+    """An asynchronous presence probe started by `BlockClient.submit_exists`."""
+
+    def done(self) -> bool:
+        """True once the answer is available. Never blocks."""
+        ...
+
+    def wait(self, timeout: float | None = None) -> Sequence[int] | None:
+        """One status per probed key (OK / OK_NO_LEASE = present, NOT_FOUND = absent, any other
+        code = unknown), or None if not done within `timeout`. `wait(0)` after `done()` returned
+        True returns the answer without blocking. May raise if the probe failed as a whole."""
+        ...
+
+
+@runtime_checkable
+class BlockClient(Protocol):
+    """The cluster below an `Offloader`.
+
+    Caller: the offloader. `submit_exists` is called on the offloader's owner thread and must not
+    block; `get_into_ptrs` / `put_ptrs` are called on the offloader's I/O threads, concurrently
+    with each other, and block until every key has an outcome.
+
+    Memory guarantee the offloader relies on: a transfer method reads or writes the memory at
+    `ptrs[i]` (exactly `sizes[i]` bytes) only while the call is running, and `get_into_ptrs` leaves
+    a destination unwritten unless that key's status is OK. A call that runs into the client's
+    per-operation deadline returns TIMEOUT for the keys it did not finish and writes none of their
+    destinations afterwards. Raising instead of returning statuses is tolerated (all keys of the
+    call count as failed) but never required.
+    """
+
+    def submit_exists(self, keys: Sequence[bytes], lease_ms: int = 0) -> ProbeHandle:
+        """Start one batched presence probe. `lease_ms` > 0 asks each server to keep the keys it
+        holds for that long (a lookup hit then survives until its load). Non-blocking."""
+        ...
+
+    def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
+                      owner: object = None) -> Sequence[int]:
+        """UNSAFE raw-pointer API: read each key into `sizes[i]` bytes at address `ptrs[i]`.
+        One status per key; OK only if the stored value has exactly that length. `owner` keeps
+        the memory's Python owner referenced for the duration of the call."""
+        ...
+
+    def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
+                 owner: object = None) -> Sequence[int]:
+        """UNSAFE raw-pointer API: store `sizes[i]` bytes at address `ptrs[i]` under each key.
+        One status per key."""
+        ...
+
+
+@runtime_checkable
+class RegisteringClient(Protocol):
+    """A `BlockClient` whose transport needs memory registered before it moves bytes (RDMA
+    registers each region with the NIC once; registering per transfer would cost more than the
+    transfer). The offloader forwards its own `register_buffer` / `unregister_buffer` calls."""
+
+    def register_buffer(self, ptr: int, nbytes: int) -> None:
+        """Make [ptr, ptr + nbytes) usable by later transfers. May raise (the offloader's
+        `register_buffer` then raises too)."""
+        ...
+
+    def unregister_buffer(self, ptr: int) -> None:
+        """Undo `register_buffer(ptr, ...)`. No transfer touching the region is running."""
+        ...
+
+
+class Offloader(Protocol):
+    """A KV block store used by one serving-stack adapter.
+
+    Caller and thread: the adapter, always on one owner thread (vLLM: the scheduler thread of the
+    scheduler process). Unless stated otherwise a method is non-blocking and does no network I/O
+    on the calling thread.
+
+    Memory: loads and stores move bytes between the cluster and caller memory given as
+    (address, size) per key. That memory must lie inside a buffer registered with
+    `register_buffer`, and must stay mapped and untouched by the caller from submit until the
+    job's `Completion` has been returned by `poll`. After that the offloader never touches it.
+
+    Failures never raise (see the module doc); a job always completes.
+    """
+
+    def register_buffer(self, ptr: int, nbytes: int, owner: object = None) -> None:
+        """Declare [ptr, ptr + nbytes) as memory jobs may address; `owner` (e.g. the numpy
+        array) is kept referenced until `unregister_buffer`. Forwarded to a `RegisteringClient`.
+        Raises ValueError if the range overlaps an already registered buffer."""
+        ...
+
+    def unregister_buffer(self, ptr: int) -> None:
+        """Forget the buffer registered at `ptr`. Raises ValueError if no buffer starts there or if
+        a job addressing it has not completed yet (drain and poll first)."""
+        ...
+
+    def lookup(self, key: bytes) -> Lookup:
+        """Presence of `key`, from the verdict cache or PENDING.
+
+        A key with no fresh verdict is queued for the next `flush_lookups` and answers PENDING;
+        once its probe answered, HIT or MISS are cached (HIT for a while, MISS briefly, since
+        another engine may store the key). A probe unanswered after the lookup timeout makes its
+        keys MISS: a slow cluster never stalls the caller.
+        """
+        ...
+
+    def cancel_lookups(self, keys: Sequence[bytes]) -> None:
+        """Drop keys queued since the last flush (e.g. those of a preempted request): they are
+        not probed. Keys already probing or decided are unaffected."""
+        ...
+
+    def flush_lookups(self) -> None:
+        """Send every key queued since the last flush as ONE asynchronous batched probe. Call once
+        per scheduling step."""
+        ...
+
+    def has_pending_lookups(self) -> bool:
+        """True while keys are queued or a probe is outstanding."""
+        ...
+
+    def submit_load(self, job_id: int, keys: Sequence[bytes], ptrs: Sequence[int],
+                    sizes: Sequence[int]) -> None:
+        """Start reading `keys` into the caller memory. Loads are never shed. Keys that fail are
+        cached as MISS. A load with keys that timed out completes only after the load-failure
+        grace period, so the caller cannot reuse memory a late write could still reach."""
+        ...
+
+    def submit_store(self, job_id: int, keys: Sequence[bytes], ptrs: Sequence[int],
+                     sizes: Sequence[int]) -> None:
+        """Start writing caller memory under `keys`. Keys known present are skipped (reported as
+        stored). A store that would take the queued + in-flight store bytes past the backlog limit
+        is shed: completed at once with `shed=True`, nothing sent. Stored keys become HIT."""
+        ...
+
+    def poll(self) -> list[Completion]:
+        """Completions of finished jobs: every submitted job id exactly once, in no fixed order."""
+        ...
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """BLOCKING: wait until no job has I/O running (jobs held for the load-failure grace still
+        count as submitted but not as running). True if drained within `timeout`. Completions
+        still come out of `poll`."""
+        ...
+
+    def has_pending_jobs(self) -> bool:
+        """True while some submitted job has not been returned by `poll` yet."""
+        ...
+
+    def stats(self) -> dict[str, int]:
+        """Cumulative counters since creation plus current gauges (`store_backlog_bytes`,
+        `load_jobs_held_now`, `jobs_in_flight`). Cheap; for metrics."""
+        ...
+
+    def close(self, timeout: float = 10.0) -> None:
+        """BLOCKING: wait for running I/O (so caller memory is no longer touched), stop the I/O
+        threads and end every buffer registration. Idempotent. Later jobs complete failed
+        without I/O."""
+        ...
