@@ -6,7 +6,8 @@ Two boundaries, each a `typing.Protocol` so that either side can be replaced wit
   stack) calls: batched non-blocking lookups, load and store jobs over caller memory, completions,
   stats, buffer registration, close. `memkv_vllm.store.BlockStore` implements it over memkv.
 * `BlockClient` — what an `Offloader` needs from the cluster below it: one asynchronous batched
-  presence probe and two blocking batched transfers between raw memory and the cluster.
+  presence probe, two blocking batched transfers between raw memory and the cluster, and a
+  batched delete.
   `memkv_vllm.client.MemKVClient` implements it; `RegisteringClient` adds the optional
   registration step transports such as RDMA need.
 
@@ -73,6 +74,9 @@ class Completion:
     nbytes: int  # bytes actually transferred
     seconds: float  # submit -> last I/O done, on the offloader's clock
     shed: bool = False  # a store dropped unsent because of the backlog limit
+    # Loads: keys the cluster turned out not to hold (any more), or held with a length no reader
+    # can use (the offloader deletes those). The adapter may announce them as removed.
+    gone_keys: tuple[bytes, ...] = ()
 
 
 @runtime_checkable
@@ -95,8 +99,8 @@ class BlockClient(Protocol):
     """The cluster below an `Offloader`.
 
     Caller: the offloader. `submit_exists` is called on the offloader's owner thread and must not
-    block; `get_into_ptrs` / `put_ptrs` are called on the offloader's I/O threads, concurrently
-    with each other, and block until every key has an outcome.
+    block; `get_into_ptrs` / `put_ptrs` / `delete` are called on the offloader's I/O threads,
+    concurrently with each other, and block until every key has an outcome.
 
     Memory guarantee the offloader relies on: a transfer method reads or writes the memory at
     `ptrs[i]` (exactly `sizes[i]` bytes) only while the call is running, and `get_into_ptrs` leaves
@@ -122,6 +126,10 @@ class BlockClient(Protocol):
                  owner: object = None) -> Sequence[int]:
         """UNSAFE raw-pointer API: store `sizes[i]` bytes at address `ptrs[i]` under each key.
         One status per key."""
+        ...
+
+    def delete(self, keys: Sequence[bytes]) -> Sequence[int]:
+        """Remove the keys from the cluster (absent keys are no error). One status per key."""
         ...
 
 
@@ -194,8 +202,10 @@ class Offloader(Protocol):
     def submit_load(self, job_id: int, keys: Sequence[bytes], ptrs: Sequence[int],
                     sizes: Sequence[int]) -> None:
         """Start reading `keys` into the caller memory. Loads are never shed. Keys that fail are
-        cached as MISS. A load with keys that timed out completes only after the load-failure
-        grace period, so the caller cannot reuse memory a late write could still reach."""
+        cached as MISS; a value found with another length than requested is deleted from the
+        cluster (no reader of this namespace can use it). A key that timed out is a failed key
+        like any other: the client writes nothing once its call returned (`BlockClient`), so
+        the job completes as soon as its calls returned."""
         ...
 
     def submit_store(self, job_id: int, keys: Sequence[bytes], ptrs: Sequence[int],
@@ -210,9 +220,9 @@ class Offloader(Protocol):
         ...
 
     def drain(self, timeout: float | None = None) -> bool:
-        """BLOCKING: wait until no job has I/O running (jobs held for the load-failure grace still
-        count as submitted but not as running). True if drained within `timeout`. Completions
-        still come out of `poll`."""
+        """BLOCKING: wait until no job has I/O running. True if drained within `timeout`; then the
+        completion of every submitted job is available: the next `poll` returns all those not
+        returned yet (what vLLM's reset_cache relies on)."""
         ...
 
     def has_pending_jobs(self) -> bool:
@@ -221,7 +231,7 @@ class Offloader(Protocol):
 
     def stats(self) -> dict[str, int]:
         """Cumulative counters since creation plus current gauges (`store_backlog_bytes`,
-        `load_jobs_held_now`, `jobs_in_flight`). Cheap; for metrics."""
+        `jobs_in_flight`). Cheap; for metrics."""
         ...
 
     def close(self, timeout: float = 10.0) -> None:

@@ -41,11 +41,6 @@ class StoreOptions:
     n_write_threads: int = 8
     blocks_per_op: int = 8
     lookup_timeout_s: float = 5.0
-    load_failure_grace_s: float = 60.0
-    # A load key that failed after its call ran at least 0.9 x this long is treated like a
-    # TIMEOUT status (clients that report a timeout as UNAVAILABLE). Set it to the client's op
-    # timeout.
-    load_timeout_s: float = 10.0
     max_store_backlog_bytes: int = 2048 << 20
     # Verdict lifetimes. A HIT may be evicted remotely later (the load then fails and the key turns
     # MISS); a MISS is re-probed soon because another engine may store the block meanwhile.
@@ -77,7 +72,6 @@ class _Job:
     statuses: list[int] = attrs.Factory(list)
     remaining: int = 0
     t_done: float = 0.0
-    timed_out: bool = False  # some key may still be on the wire (TIMEOUT, or a slow failure)
 
 
 @attrs.define(eq=False)
@@ -113,8 +107,6 @@ class BlockStore:
         self._buffers: dict[int, _Buffer] = {}
         self._done: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._ready: list[tuple[Completion, list[_Buffer]]] = []  # finished without I/O
-        # loads with a timed-out key, kept back until the grace ends: (release time, completion)
-        self._held: list[tuple[float, Completion, list[_Buffer]]] = []
         self._store_backlog = 0
         self._store_bytes_by_job: dict[int, int] = {}
         self._inflight = 0
@@ -122,7 +114,9 @@ class BlockStore:
         self._stats: collections.Counter[str] = collections.Counter()
         self._closed = False
         self._load_q: queue.SimpleQueue[tuple[_Job, int, int] | None] = queue.SimpleQueue()
-        self._store_q: queue.SimpleQueue[tuple[_Job, int, int] | None] = queue.SimpleQueue()
+        # store threads also delete values found unusable (a list of keys)
+        self._store_q: queue.SimpleQueue[tuple[_Job, int, int] | list[bytes] | None] = (
+            queue.SimpleQueue())
         self._threads = [
             threading.Thread(target=self._io_loop, args=(self._load_q, True),
                              name=f"memkv-load-{i}", daemon=True)
@@ -329,10 +323,12 @@ class BlockStore:
             item = q.get()
             if item is None:
                 return
+            if isinstance(item, list):
+                self._delete(item)
+                continue
             job, lo, hi = item
             client = self._client
             owner = job.buffers[0].owner if len(job.buffers) == 1 else job.buffers
-            t_op = self._clock()
             try:
                 assert client is not None
                 fn = client.get_into_ptrs if is_load else client.put_ptrs
@@ -343,12 +339,9 @@ class BlockStore:
             except Exception as e:  # an exception here must not kill the pool or hang the job
                 logger.warning("memkv %s failed: %s", "load" if is_load else "store", e)
                 st = [Status.UNAVAILABLE] * (hi - lo)
+            # The client wrote nothing for these keys and will not any more once the call returned
+            # (BlockClient's memory guarantee), TIMEOUT included: the job can complete now.
             job.statuses[lo:hi] = st
-            if Status.TIMEOUT in st or (
-                Status.UNAVAILABLE in st
-                and self._clock() - t_op >= 0.9 * self.options.load_timeout_s
-            ):
-                job.timed_out = True
             with self._cv:
                 job.remaining -= 1
                 if job.remaining == 0:
@@ -356,6 +349,18 @@ class BlockStore:
                     self._done.put(job)
                     self._inflight -= 1
                     self._cv.notify_all()
+
+    def _delete(self, keys: list[bytes]) -> None:
+        """Remove values no reader can use (store thread). Best effort: a failure leaves them to
+        the cluster's eviction."""
+        try:
+            assert self._client is not None
+            st = self._client.delete(keys)
+            logger.warning("memkv: deleted %d value(s) of the wrong length (statuses %s)",
+                           len(keys), sorted({int(s) for s in st}))
+        except Exception as e:
+            logger.warning("memkv: deleting %d value(s) of the wrong length failed: %s",
+                           len(keys), e)
 
     def poll(self) -> list[Completion]:
         now = self._clock()
@@ -365,16 +370,13 @@ class BlockStore:
                 job = self._done.get_nowait()
             except queue.Empty:
                 break
-            finished.extend(self._complete(job, now))
-        if self._held:
-            finished.extend((c, bufs) for release, c, bufs in self._held if release <= now)
-            self._held = [h for h in self._held if h[0] > now]
+            finished.append(self._complete(job, now))
         for _, bufs in finished:
             for b in bufs:
                 b.jobs -= 1
         return [c for c, _ in finished]
 
-    def _complete(self, job: _Job, now: float) -> list[tuple[Completion, list[_Buffer]]]:
+    def _complete(self, job: _Job, now: float) -> tuple[Completion, list[_Buffer]]:
         ok = [s in _OK_CODES for s in job.statuses]
         ok_keys = [k for k, good in zip(job.keys, ok, strict=True) if good]
         failed = [k for k, good in zip(job.keys, ok, strict=True) if not good]
@@ -389,20 +391,24 @@ class BlockStore:
             if failed:
                 # Evicted / gone / server down: never promote these again for a while.
                 self._mark_missing(failed)
-            c = Completion(job.job_id, True, not failed, tuple(ok_keys), nbytes, secs)
-            if job.timed_out and self.options.load_failure_grace_s > 0:
-                # The request may still be in flight on the wire; the destination memory must not
-                # be reused before a late write can no longer land, so the job stays open.
-                self._stats["load_jobs_held"] += 1
-                self._held.append((now + self.options.load_failure_grace_s, c, job.buffers))
-                return []
-            return [(c, job.buffers)]
+            bad_length = [k for k, s in zip(job.keys, job.statuses, strict=True)
+                          if s == Status.LENGTH_MISMATCH]
+            if bad_length and self._client is not None and not self._closed:
+                # A value of another length is unusable for every reader of this namespace
+                # (vLLM's fs tier likewise deletes a block file that reads short).
+                self._stats["load_blocks_deleted"] += len(bad_length)
+                self._store_q.put(bad_length)
+            gone = tuple(k for k, s in zip(job.keys, job.statuses, strict=True)
+                         if s in (Status.NOT_FOUND, Status.LENGTH_MISMATCH))
+            c = Completion(job.job_id, True, not failed, tuple(ok_keys), nbytes, secs,
+                           gone_keys=gone)
+            return c, job.buffers
         self._store_backlog -= self._store_bytes_by_job.pop(job.job_id, 0)
         exp = now + self.options.hit_ttl_s
         for k in ok_keys:
             self._set(k, Lookup.HIT, exp)
-        return [(Completion(job.job_id, False, not failed, tuple(ok_keys) + job.skipped,
-                            nbytes, secs), job.buffers)]
+        return (Completion(job.job_id, False, not failed, tuple(ok_keys) + job.skipped,
+                           nbytes, secs), job.buffers)
 
     def drain(self, timeout: float | None = None) -> bool:
         # Real time, not the injected clock: this waits on threads, it does not measure them.
@@ -416,12 +422,11 @@ class BlockStore:
         return True
 
     def has_pending_jobs(self) -> bool:
-        return bool(self._inflight or self._held or self._ready or not self._done.empty())
+        return bool(self._inflight or self._ready or not self._done.empty())
 
     def stats(self) -> dict[str, int]:
         s = dict(self._stats)
         s["store_backlog_bytes"] = self._store_backlog
-        s["load_jobs_held_now"] = len(self._held)
         s["jobs_in_flight"] = self._inflight
         return s
 
@@ -429,16 +434,22 @@ class BlockStore:
         if self._closed:
             return
         self._closed = True
-        if not self.drain(timeout):
+        drained = self.drain(timeout)
+        if not drained:
             logger.warning("memkv block store: I/O still in flight after %.0f s at close", timeout)
         for t in self._threads:
             (self._load_q if t.name.startswith("memkv-load") else self._store_q).put(None)
         for t in self._threads:
             t.join(timeout=1.0)
-        # No I/O runs any more: registrations end here, held loads or not.
-        buffers, self._buffers = list(self._buffers), {}
+        # No I/O runs any more: registrations end here, and their owners are released (jobs not
+        # polled yet still refer to the buffers) so the caller can unmap the memory. I/O still
+        # running keeps them: a mapping that outlives its user beats a write into freed memory.
+        buffers, self._buffers = list(self._buffers.values()), {}
+        if drained:
+            for b in buffers:
+                b.owner = None
         if isinstance(self._client, RegisteringClient):
-            for ptr in buffers:
+            for ptr in (b.ptr for b in buffers):
                 try:
                     self._client.unregister_buffer(ptr)
                 except Exception as e:

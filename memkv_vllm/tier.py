@@ -14,9 +14,16 @@ bytes for one offloaded chunk); rows move straight between the pool's shared mem
 cluster through `BlockStore`. Every vLLM-generation difference goes through `compat.api()`.
 
 Tier keys (names and defaults of the product this replaces): prefix ("memkv"), n_read_threads
-(8), n_write_threads (8), blocks_per_op (8), load_failure_grace_s (60), max_store_backlog_mb
-(2048), lookup_timeout_s (5), locality ("remote"). Any memkv client setting (servers, auth_key,
-transport, op_timeout_s, ...) may be given too and wins over MEMKV_CONFIG / MEMKV_* variables.
+(8), n_write_threads (8), blocks_per_op (8), max_store_backlog_mb (2048), lookup_timeout_s (5);
+and, as vLLM's fs and obj tiers take them, locality ("REMOTE" or "LOCAL"; default REMOTE) and
+enable_kv_events (false). Any memkv client setting (servers, auth_key, transport,
+op_timeout_s, ...) may be given too and wins over MEMKV_CONFIG / MEMKV_* variables.
+
+What vLLM's own tiers promise, this one keeps (tests/tier/test_conformance.py): drain_jobs()
+leaves every job's result available, the tier declares its medium and locality (so per-request
+kv_load_tiers filters apply), publishes KV events when asked, shares blocks across parallel
+layouts exactly where vLLM's FileMapper says the bytes are the same, and works from the first
+call (the key namespace does not wait for vLLM's NONE_HASH).
 """
 
 from __future__ import annotations
@@ -42,7 +49,6 @@ TIER_DEFAULTS: dict[str, Any] = {
     "n_read_threads": 8,
     "n_write_threads": 8,
     "blocks_per_op": 8,
-    "load_failure_grace_s": 60.0,
     "max_store_backlog_mb": 2048,
     "lookup_timeout_s": 5.0,
 }
@@ -75,10 +81,10 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
         n_read_threads: int = TIER_DEFAULTS["n_read_threads"],
         n_write_threads: int = TIER_DEFAULTS["n_write_threads"],
         blocks_per_op: int = TIER_DEFAULTS["blocks_per_op"],
-        load_failure_grace_s: float = TIER_DEFAULTS["load_failure_grace_s"],
         max_store_backlog_mb: float = TIER_DEFAULTS["max_store_backlog_mb"],
         lookup_timeout_s: float = TIER_DEFAULTS["lookup_timeout_s"],
         locality: str | None = None,
+        enable_kv_events: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type,
@@ -91,7 +97,10 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
             # New framework kwargs or typos must not stop the engine; say so once.
             logger.warning("memkv tier: ignoring unknown tier keys %s", unknown)
         # The base sets locality = None; REMOTE lets kv_load_tiers filters address this tier.
+        # A value vLLM does not know raises here: a typo must not silently change filtering.
         self.locality = _API.locality(locality)
+        self._events: list[Any] | None = self._events_list(bool(enable_kv_events),
+                                                           offloading_spec)
 
         self._arr = np.asarray(primary_kv_view)  # zero-copy; keeps the mapping alive for I/O
         self._row = int(primary_kv_view.strides[0])
@@ -105,18 +114,20 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
             n_write_threads=int(n_write_threads),
             blocks_per_op=int(blocks_per_op),
             lookup_timeout_s=float(lookup_timeout_s),
-            load_failure_grace_s=float(load_failure_grace_s),
             max_store_backlog_bytes=int(float(max_store_backlog_mb) * (1 << 20)),
-            load_timeout_s=float(cfg.op_timeout_s),
             lookup_lease_ms=int(cfg.lease_ms),
         ))
         # The whole pool is the only memory this tier's jobs address: registered once.
         self._store.register_buffer(self._base, self._rows * self._row, owner=self._arr)
-        self._model, self._fields = self._namespace_fields(offloading_spec)
-        self._layout: KeyLayout | None = None
+        model, fields = self._namespace_fields(offloading_spec)
+        # Named now: block hashes already depend on vLLM's hash seed (NONE_HASH, initialized
+        # only after the tiers are built), so the namespace need not wait for it.
+        self._layout = KeyLayout(self._prefix, model, fields)
+        logger.info("memkv tier: key namespace %s (%s)", self._layout.namespace,
+                    self._layout.describe())
         # job id -> {remote key: offload key}, to report successful keys in vLLM's terms
         self._jobs: dict[int, dict[bytes, bytes]] = {}
-        self._failed_now: list[Any] = []  # results decided at submit time (no namespace yet)
+        self._failed_now: list[Any] = []  # results decided at submit time
         self._reported: collections.Counter[str] = collections.Counter()
         # request id -> remote keys it asked about that are waiting for this step's probe
         self._asked: dict[str, list[bytes]] = {}
@@ -128,15 +139,27 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
             n_read_threads, n_write_threads, blocks_per_op, lookup_timeout_s,
             max_store_backlog_mb, _API.name,
         )
-        self._warned_hashes = False
+        self._seed_checked = False
         self._warn_if_hashes_differ()
 
+    def _events_list(self, requested: bool, spec: Any) -> list[Any] | None:
+        """The event buffer take_events() drains, if the tier should publish events."""
+        if not requested:
+            return None
+        if not _API.tiers_publish_events():
+            logger.warning("memkv tier: enable_kv_events is set but this vLLM collects no KV "
+                           "events from secondary tiers (0.26+); the tier will not emit events")
+            return None
+        if not _API.kv_events_enabled(spec):
+            logger.warning("memkv tier: enable_kv_events is set but KV cache events are disabled "
+                           "globally (kv_events_config); the tier will not emit events")
+            return None
+        return []
+
     def _warn_if_hashes_differ(self) -> None:
-        if self._warned_hashes:
-            return
         ok, why = _API.block_hashes_reproducible()
         if not ok:
-            self._warned_hashes = True
+            self._seed_checked = True  # said once
             logger.warning(
                 "memkv tier: %s; other processes will compute different block hashes and never "
                 "hit this engine's blocks (set PYTHONHASHSEED to the same value everywhere)", why)
@@ -154,28 +177,18 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
         fields["value_bytes"] = self._row
         return model, fields
 
-    def _remote_key(self, layout: KeyLayout, offload_key: bytes) -> bytes:
-        return layout.key(*_API.split_offload_key(offload_key))
-
-    def _key_layout(self) -> KeyLayout | None:
-        # NONE_HASH is initialized after the tiers are built: name keys on first use.
-        if self._layout is None:
-            nh = _API.none_hash_digest()
-            if nh is None:
-                return None
-            self._warn_if_hashes_differ()  # now the seed itself is known (xxhash: 16 bytes)
-            self._layout = KeyLayout(self._prefix, self._model, {**self._fields, "none_hash": nh})
-            logger.info("memkv tier: key namespace %s (%s)", self._layout.namespace,
-                        self._layout.describe())
-        return self._layout
+    def remote_key(self, offload_key: bytes) -> bytes:
+        """The memkv key of a vLLM OffloadKey (tests, debugging)."""
+        return self._layout.key(*_API.split_offload_key(offload_key))
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, key: bytes, req_context: Any) -> Any:
         try:
-            layout = self._key_layout()
-            if layout is None:
-                return _API.lookup_result(Lookup.MISS)
-            rkey = self._remote_key(layout, key)
+            if not self._seed_checked:
+                # The seed is known by the first lookup (xxhash seeds are told by their length).
+                self._seed_checked = True
+                self._warn_if_hashes_differ()
+            rkey = self.remote_key(key)
             verdict = self._store.lookup(rkey)
             if verdict is Lookup.PENDING:
                 self._asked.setdefault(_API.request_id(req_context), []).append(rkey)
@@ -201,16 +214,14 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
     # ------------------------------------------------------------------ transfers
     def _submit(self, job: Any, is_load: bool) -> None:
         try:
-            layout = self._key_layout()
             keys = list(job.keys)
             slots = _API.job_slots(job)
-            if layout is None or len(slots) != len(keys):
-                raise ValueError("no key namespace yet" if layout is None else
-                                 f"{len(keys)} keys for {len(slots)} slots")
+            if len(slots) != len(keys):
+                raise ValueError(f"{len(keys)} keys for {len(slots)} slots")
             bad = [s for s in slots if not 0 <= s < self._rows]
             if bad:  # never address memory outside the pool
                 raise ValueError(f"pool slots {bad[:4]} out of range 0..{self._rows - 1}")
-            rkeys = [self._remote_key(layout, k) for k in keys]
+            rkeys = [self.remote_key(k) for k in keys]
             ptrs = [self._base + s * self._row for s in slots]
             sizes = [self._row] * len(slots)
             self._jobs[job.job_id] = dict(zip(rkeys, keys, strict=True))
@@ -236,6 +247,14 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
         for c in self._store.poll():
             names = self._jobs.pop(c.job_id, {})
             ok_keys = [names[k] for k in c.ok_keys if k in names]
+            if self._events is not None:
+                # Stored blocks (skipped ones are in the cluster too), and loaded blocks the
+                # cluster no longer holds: what a cache-aware router should know.
+                changed = ok_keys if not c.is_load else [names[k] for k in c.gone_keys
+                                                         if k in names]
+                if changed:
+                    self._events.append(_API.offloading_event(
+                        changed, removed=c.is_load, locality=self.locality))
             out.append(_API.job_result(
                 c.job_id, c.ok,
                 successful_keys=ok_keys if c.is_load else None,
@@ -243,7 +262,14 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
             ))
         return out
 
+    def take_events(self) -> Iterable[Any]:
+        if self._events:
+            events, self._events = self._events, []
+            yield from events
+
     def drain_jobs(self) -> None:
+        # Every job's result is available once this returns (the store keeps none back), as
+        # vLLM's reset_cache requires.
         self._store.drain()
 
     def has_pending_work(self) -> bool:
@@ -271,11 +297,15 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
-        # Stop touching the pool before vLLM unmaps it.
+        # Stop touching the pool before vLLM unmaps it, and let go of it so that it can.
         self._store.close()
+        self._arr = None
         if self._client is not None:
             try:
                 self._client.close()
             except Exception as e:
                 logger.warning("memkv tier: client close failed: %s", e)
             self._client = None
+
+
+_API.declare_tier_class(MemKVSecondaryTierManager)

@@ -102,6 +102,12 @@ class FakeClient:
                  owner: object = None) -> list[int]:
         return self._transfer("put", keys, ptrs, sizes)
 
+    def delete(self, keys: Sequence[bytes]) -> list[int]:
+        with self.lock:
+            self.transfers.append(("delete", list(keys)))
+            return [Status.OK if self.data.pop(k, None) is not None else Status.NOT_FOUND
+                    for k in keys]
+
 
 class RegisteringFakeClient(FakeClient):
     """A FakeClient whose transport wants memory registered, and checks that it was."""

@@ -17,7 +17,7 @@ vLLM's imports live here and in the generation modules only (a test scans the pa
 from __future__ import annotations
 
 import collections
-import hashlib
+import dataclasses
 import importlib
 import logging
 import os
@@ -42,8 +42,6 @@ TIER_METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "bytes": (_M + "bytes", "counter", ("op",), "Bytes moved by the memkv tier."),
     "store_backlog_bytes": (_M + "store_backlog_bytes", "gauge", (),
                             "Bytes of queued or in-flight memkv stores."),
-    "held_loads": (_M + "held_load_jobs", "gauge", (),
-                   "Timed-out loads whose pool slots are held for load_failure_grace_s."),
 }
 # Offloader.stats() counter -> (metric key, label values)
 _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -61,7 +59,7 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "store_bytes": ("bytes", ("store",)),
 }
 # Offloader.stats() gauge -> metric key
-_GAUGES = {"store_backlog_bytes": "store_backlog_bytes", "load_jobs_held_now": "held_loads"}
+_GAUGES = {"store_backlog_bytes": "store_backlog_bytes"}
 
 
 class VllmAdapter(ABC):
@@ -129,8 +127,50 @@ class VllmAdapter(ABC):
 
     def locality(self, name: str | None) -> Any:
         """The tier's `locality` attribute, which a request's kv_load_tiers filter matches:
-        `name` ("remote", "local") or REMOTE by default; None where vLLM has no Locality."""
+        `Locality(name)` ("LOCAL" or "REMOTE", exactly as vLLM's fs and obj tiers take it; any
+        other value raises ValueError) or REMOTE by default; None where vLLM has no Locality
+        (0.25, where the key is ignored)."""
         return None
+
+    def declare_tier_class(self, cls: type) -> None:
+        """Set what vLLM reads from a tier's class: its storage `medium` (0.27+) and the
+        `cache_hit_source` its hits are attributed to (0.32+).
+
+        memkv keeps values in DRAM: medium CPU, which a request's kv_load_tiers filter can name
+        (with locality REMOTE telling it from a local pool). vLLM would derive HOST, this
+        engine's own memory, from that medium; blocks from memkv were computed by other engines
+        and come over the network, which vLLM attributes as P2P (as for its Mooncake and NIXL
+        connectors). Both are features this method probes for, not generations."""
+        medium = getattr(self.kvb, "Medium", None)
+        if medium is not None:
+            cls.medium = medium.CPU  # type: ignore[attr-defined]
+        if "cache_hit_source" in vars(self.tb.SecondaryTierManager):
+            from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+            cls.cache_hit_source = CacheHitSource.P2P  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ KV events
+    def tiers_publish_events(self) -> bool:
+        """Does vLLM collect KV events from secondary tiers (`take_events`, 0.26+)?"""
+        return "take_events" in vars(self.tb.SecondaryTierManager)
+
+    def kv_events_enabled(self, spec: Any) -> bool:
+        """Does the engine of `spec` publish KV events (kv_events_config.enable_kv_cache_events)?
+        False for anything that is not a real spec."""
+        cfg = getattr(spec, "kv_events_config", None)
+        if cfg is not None:
+            return bool(cfg.enable_kv_cache_events)
+        return bool(getattr(getattr(spec, "config", None), "enable_kv_cache_events", False))
+
+    def offloading_event(self, keys: Collection[bytes], *, removed: bool, locality: Any) -> Any:
+        """An OffloadingEvent for `keys` of this tier (medium CPU: see `declare_tier_class`).
+        0.26 takes the medium as a string and has no locality field."""
+        medium = getattr(self.kvb, "Medium", None)
+        fields: dict[str, Any] = {"keys": list(keys), "removed": removed,
+                                  "medium": "CPU" if medium is None else medium.CPU}
+        if "locality" in {f.name for f in dataclasses.fields(self.kvb.OffloadingEvent)}:
+            fields["locality"] = locality
+        return self.kvb.OffloadingEvent(**fields)
 
     def request_context(self) -> Any:
         """What the tier's on_new_request returns: the default policy (offload new chunks only)."""
@@ -171,21 +211,12 @@ class VllmAdapter(ABC):
     @abstractmethod
     def spec_config_fields(self, spec: Any, prefix: str) -> tuple[str, dict[str, Any]]:
         """(model name, every setting that changes the KV bytes behind a block hash) of an
-        offloading spec, for the key namespace. Raises if `spec` is not a real vLLM spec."""
+        offloading spec, for the key namespace. Raises if `spec` is not a real vLLM spec.
 
-    def none_hash_digest(self) -> str | None:
-        """Digest of the block-hash chain's seed, or None before vLLM initialized it (it does so
-        after building the tiers, so callers ask lazily).
-
-        Different seeds give unrelated hashes; putting the seed in the namespace keeps engines
-        with different seeds from even probing each other's keys.
-        """
-        from vllm.v1.core import kv_cache_utils
-
-        nh = getattr(kv_cache_utils, "NONE_HASH", None)
-        if nh is None:
-            return None
-        return hashlib.sha256(bytes(nh)).hexdigest()[:16]
+        Starts from the run config of vLLM's own FileMapper built the way its fs and obj tiers
+        build it, with `parallel_agnostic=True`: vLLM then drops the parallel sizes (so engines
+        of different TP sizes share) exactly when it judges the bytes of a block to be the same
+        under any parallel layout, and keeps them otherwise."""
 
     def block_hashes_reproducible(self) -> tuple[bool, str]:
         """Will another process compute the same block hashes? (answer, reason if not)."""

@@ -42,13 +42,14 @@ class Api025(VllmAdapter):
 
     # ------------------------------------------------------------------ spec facts
     def spec_config_fields(self, spec: Any, prefix: str) -> tuple[str, dict[str, Any]]:
-        """Starts from vLLM's own FileMapper run config (what the fs tier namespaces by) and adds
-        what it misses: the resolved model dtype (0.25-0.26 FileMapper records the raw cache
-        dtype, usually "auto", so a bf16 and an fp16 run of one model would collide) and the API
-        generation (the KV byte layout changed at 0.29 without a FileMapper field)."""
+        """Adds to the FileMapper fields (see the base class) what they miss: the resolved model
+        dtype (0.25-0.26 FileMapper records the raw cache dtype, usually "auto", so a bf16 and an
+        fp16 run of one model would collide) and the API generation (the KV byte layout changed
+        at 0.29 without a FileMapper field)."""
         from vllm.v1.kv_offload.file_mapper import FileMapper
 
-        fields = dict(FileMapper.from_offloading_spec(prefix or "memkv", spec).get_run_config())
+        mapper = FileMapper.from_offloading_spec(prefix or "memkv", spec, parallel_agnostic=True)
+        fields = dict(mapper.get_run_config())
         model = str(fields.get("model_name", "unknown-model"))
         fields["model_dtype"] = self._model_dtype(spec)
         fields["vllm_api"] = self.name

@@ -22,7 +22,14 @@ class Api026(Api025):
 
     def locality(self, name: str | None) -> Any:
         # 0.26 defines Locality but no tier attribute reads it yet; 0.27+ filters on it.
-        return self.kvb.Locality((name or "remote").upper())
+        loc = self.kvb.Locality
+        if name is None:
+            return loc.REMOTE
+        try:
+            return loc(name)
+        except ValueError:
+            raise ValueError(f"memkv tier: locality must be one of "
+                             f"{', '.join(repr(v.value) for v in loc)}, not {name!r}") from None
 
     def worker_rank(self, spec: Any) -> int:
         if getattr(spec, "replicated_layout", False):

@@ -132,11 +132,13 @@ class SpecEngine(Engine):
         self.manager = self.spec.get_manager()
         self.primary = self.manager.primary_tier
         (self.tier,) = self.manager.secondary_tiers
-        self.pool = np.asarray(self.primary.get_kv_memoryview())
+        self.pool: np.ndarray | None = np.asarray(self.primary.get_kv_memoryview())
         assert self.pool.shape == (NUM_CHUNKS, ROW), self.pool.shape
 
     def shutdown(self) -> None:
+        if self.pool is None:
+            return  # already shut down (tests may do it themselves)
         # vLLM closes the pool's mapping at shutdown, which fails while an export of it (this
         # array) is still alive.
-        del self.pool
+        self.pool = None
         self.manager.shutdown()

@@ -66,12 +66,6 @@ def _client(address: str):
     return MemKVClient.from_config(load_config({"servers": [address]}))
 
 
-def _remote_key(engine: Engine, key: bytes) -> bytes:
-    layout = engine.tier._key_layout()
-    assert layout is not None
-    return layout.offload_key(key)
-
-
 def _fill(engine: Engine, offset: int = 0):
     return lambda i, slot: engine.pool.__setitem__(slot, pattern(offset + i))
 
@@ -176,6 +170,36 @@ def test_reset_cache_during_a_load_that_times_out(memkv_server, engines, proxy) 
     assert not b.tier.has_pending_work()
     # The failed key is a miss now (no re-promotion loop), and the pool is usable.
     assert b.lookup(keys[0], ctx) is LR.MISS
+
+
+def test_a_timed_out_load_frees_its_slot_when_its_call_returned(memkv_server, engines,
+                                                                 proxy) -> None:
+    # The client writes nothing after a call returned, so nothing is held back for a late write.
+    cfg = _cfg(memkv_server.address)
+    a = engines(cfg)
+    keys = [okey(35)]
+    _store(a, keys)
+    p = proxy(memkv_server.address)
+    b = engines({**cfg, "servers": [p.address], "op_timeout_s": 0.5})
+    ctx = _ctx(b)
+    assert b.lookup(keys[0], ctx) is LR.RETRY
+    b.step()
+    _harvest_hits(b, keys, ctx)
+    p.freeze()
+    b.step()  # submits the promotion, which runs into the op timeout
+    waited = b.run_until(lambda: b.lookup(keys[0], ctx) is LR.MISS, timeout=5)
+    assert waited < 3.0, waited
+    assert b.tier.store_stats()["load_blocks_failed"] == 1
+
+
+def test_shutdown_lets_vllm_unmap_the_pool(memkv_server, spec_engines, caplog) -> None:
+    """vLLM closes the CPU pool's mapping after the tiers shut down; a tier still holding an
+    export of the pool makes that fail (and keeps the memory mapped)."""
+    a = spec_engines(_cfg(memkv_server.address))
+    _store(a, [okey(36)])
+    caplog.clear()
+    a.shutdown()
+    assert "Failed to close mmap_obj" not in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +324,7 @@ def test_a_block_that_left_the_cluster_is_announced_as_removed(memkv_server,
     _harvest_hits(b, keys, ctx)
     c = _client(memkv_server.address)
     try:  # evicted (or deleted by another engine) between the lookup and the load
-        c.delete([_remote_key(b, keys[2])])
+        c.delete([b.tier.remote_key(keys[2])])
     finally:
         c.close()
     b.run_until(lambda: [b.lookup(k, ctx) for k in keys] == [LR.HIT, LR.HIT, LR.MISS])
@@ -362,7 +386,7 @@ def test_a_wrong_length_value_found_at_load_is_deleted(memkv_server, engines) ->
     cfg = _cfg(memkv_server.address)
     b = engines(cfg)
     key = okey(120)
-    rkey = _remote_key(b, key)
+    rkey = b.tier.remote_key(key)
     c = _client(memkv_server.address)
     try:
         c.put([rkey], [np.ones(ROW // 2, dtype=np.int8)])  # another writer's wrong-size value
