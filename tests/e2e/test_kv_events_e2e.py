@@ -110,16 +110,6 @@ class Subscriber:
         self._ctx.term()
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    path = Path(os.environ.get("TINY_MODEL", ROOT / ".cache" / "tinymodel"))
-    if not (path / "config.json").exists():
-        path = tmp_path_factory.mktemp("tinymodel")
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), str(path)],
-                       check=True, capture_output=True)
-    return str(path)
-
-
 def test_a_subscriber_receives_block_stored_for_the_blocks_stored_in_memkv(model,
                                                                            tmp_path) -> None:
     server = MemKVServer(memory="64M", lanes=1).start()

@@ -38,16 +38,6 @@ BLOCK = 128  # vLLM's default block size on the CPU platform
 PROMPT_TOKENS = 600  # -> 4 full blocks (512 tokens) can come from the cache
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    path = Path(os.environ.get("TINY_MODEL", ROOT / ".cache" / "tinymodel"))
-    if not (path / "config.json").exists():
-        path = tmp_path_factory.mktemp("tinymodel")
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), str(path)],
-                       check=True, capture_output=True)
-    return str(path)
-
-
 def run_engine(model: str, server: str, prefix: str, out: Path, timeout: int = 420) -> dict:
     env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

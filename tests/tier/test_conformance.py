@@ -147,16 +147,15 @@ def test_reset_cache_right_after_stores_waits_for_them(memkv_server, engines) ->
     assert a.tier.store_stats()["store_blocks_ok"] == 6
 
 
-def test_reset_cache_during_a_load_that_times_out(memkv_server, engines, proxy) -> None:
-    """Issue point 1: `drain_jobs()` must leave every result available when it returns, or vLLM's
-    `reset_cache` (prefix-cache reset, sleep, weight update) fails on its `assert not
-    self._jobs` (0.32) or leaves a load that completes into a reset pool (earlier versions)."""
-    cfg = _cfg(memkv_server.address)
+def _load_into_a_hung_server(address: str, engines: Any, proxy: Any,
+                             key: int) -> tuple[Engine, list[bytes], Any]:
+    """Engine A stores a block; engine B finds it, then the server hangs (a frozen proxy: alive
+    but silent) just as B's promotion of it is submitted, with a 0.5 s client op timeout."""
+    cfg = _cfg(address)
     a = engines(cfg)
-    keys = [okey(30)]
+    keys = [okey(key)]
     _store(a, keys)
-
-    p = proxy(memkv_server.address)
+    p = proxy(address)
     b = engines({**cfg, "servers": [p.address], "op_timeout_s": 0.5})
     ctx = _ctx(b)
     assert b.lookup(keys[0], ctx) is LR.RETRY
@@ -165,6 +164,14 @@ def test_reset_cache_during_a_load_that_times_out(memkv_server, engines, proxy) 
     p.freeze()  # the load request goes out and its answer never comes back
     b.step()  # submits the promotion
     assert b.tier.store_stats().get("load_jobs", 0) == 1
+    return b, keys, ctx
+
+
+def test_reset_cache_during_a_load_that_times_out(memkv_server, engines, proxy) -> None:
+    """Issue point 1: `drain_jobs()` must leave every result available when it returns, or vLLM's
+    `reset_cache` (prefix-cache reset, sleep, weight update) fails on its `assert not
+    self._jobs` (0.32) or leaves a load that completes into a reset pool (earlier versions)."""
+    b, keys, ctx = _load_into_a_hung_server(memkv_server.address, engines, proxy, 30)
     b.manager.reset_cache()  # blocks until the load has timed out, then must be consistent
     assert not b.manager.has_pending_work()
     assert not b.tier.has_pending_work()
@@ -175,18 +182,7 @@ def test_reset_cache_during_a_load_that_times_out(memkv_server, engines, proxy) 
 def test_a_timed_out_load_frees_its_slot_when_its_call_returned(memkv_server, engines,
                                                                  proxy) -> None:
     # The client writes nothing after a call returned, so nothing is held back for a late write.
-    cfg = _cfg(memkv_server.address)
-    a = engines(cfg)
-    keys = [okey(35)]
-    _store(a, keys)
-    p = proxy(memkv_server.address)
-    b = engines({**cfg, "servers": [p.address], "op_timeout_s": 0.5})
-    ctx = _ctx(b)
-    assert b.lookup(keys[0], ctx) is LR.RETRY
-    b.step()
-    _harvest_hits(b, keys, ctx)
-    p.freeze()
-    b.step()  # submits the promotion, which runs into the op timeout
+    b, keys, ctx = _load_into_a_hung_server(memkv_server.address, engines, proxy, 35)
     waited = b.run_until(lambda: b.lookup(keys[0], ctx) is LR.MISS, timeout=5)
     assert waited < 3.0, waited
     assert b.tier.store_stats()["load_blocks_failed"] == 1
@@ -206,6 +202,21 @@ def test_shutdown_lets_vllm_unmap_the_pool(memkv_server, spec_engines, caplog) -
 # Medium, locality and per-request load-tier filters (issue point 2 and the locality of point 5).
 
 
+def _stored_then_filtered(address: str, engines: Any, matcher: dict[str, str],
+                          first: int) -> tuple[Engine, list[bytes], Any]:
+    """Engine A stores two blocks; engine B gets a request whose kv_load_tiers filter is
+    `matcher` (as vLLM's scheduler parses it from kv_transfer_params)."""
+    cfg = _cfg(address)
+    a = engines(cfg)
+    keys = [okey(first + i) for i in range(2)]
+    _store(a, keys)
+    b = engines(cfg)
+    tier_filter = kvb.TierFilter(matchers=(kvb.TierMatcher(
+        medium=kvb.Medium(matcher["medium"]) if "medium" in matcher else None,
+        locality=kvb.Locality(matcher["locality"]) if "locality" in matcher else None),))
+    return b, keys, _ctx(b, load_tier_filter=tier_filter)
+
+
 @needs_media
 def test_the_tier_declares_its_medium_and_locality(memkv_server, engines) -> None:
     e = engines(_cfg(memkv_server.address))
@@ -219,15 +230,7 @@ def test_the_tier_declares_its_medium_and_locality(memkv_server, engines) -> Non
                                      {"medium": "CPU", "locality": "LOCAL"}])
 def test_a_load_tier_filter_that_excludes_memkv_is_honoured(memkv_server, engines,
                                                             matcher) -> None:
-    cfg = _cfg(memkv_server.address)
-    a = engines(cfg)
-    keys = [okey(40 + i) for i in range(2)]
-    _store(a, keys)
-    b = engines(cfg)
-    tier_filter = kvb.TierFilter(matchers=(kvb.TierMatcher(
-        medium=kvb.Medium(matcher["medium"]) if "medium" in matcher else None,
-        locality=kvb.Locality(matcher["locality"]) if "locality" in matcher else None),))
-    ctx = _ctx(b, load_tier_filter=tier_filter)
+    b, keys, ctx = _stored_then_filtered(memkv_server.address, engines, matcher, 40)
     for _ in range(5):
         assert [b.lookup(k, ctx) for k in keys] == [LR.MISS, LR.MISS]
         b.step()
@@ -240,15 +243,7 @@ def test_a_load_tier_filter_that_excludes_memkv_is_honoured(memkv_server, engine
                                      {"medium": "CPU", "locality": "REMOTE"}])
 def test_a_load_tier_filter_that_names_memkv_loads_from_it(memkv_server, engines,
                                                            matcher) -> None:
-    cfg = _cfg(memkv_server.address)
-    a = engines(cfg)
-    keys = [okey(50 + i) for i in range(2)]
-    _store(a, keys)
-    b = engines(cfg)
-    tier_filter = kvb.TierFilter(matchers=(kvb.TierMatcher(
-        medium=kvb.Medium(matcher["medium"]) if "medium" in matcher else None,
-        locality=kvb.Locality(matcher["locality"]) if "locality" in matcher else None),))
-    ctx = _ctx(b, load_tier_filter=tier_filter)
+    b, keys, ctx = _stored_then_filtered(memkv_server.address, engines, matcher, 50)
     _load_all(b, keys, ctx)
     assert [np.array_equal(r, pattern(i)) for i, r in enumerate(_rows(b, keys, ctx))] == [True] * 2
 

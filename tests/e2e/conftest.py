@@ -1,0 +1,23 @@
+"""Fixtures of the end-to-end tests (real vLLM engines in their own processes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory) -> str:
+    """The tiny model scripts/setup-vllm.sh makes ($TINY_MODEL), built here if missing."""
+    path = Path(os.environ.get("TINY_MODEL", ROOT / ".cache" / "tinymodel"))
+    if not (path / "config.json").exists():
+        path = tmp_path_factory.mktemp("tinymodel")
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), str(path)],
+                       check=True, capture_output=True)
+    return str(path)
