@@ -89,6 +89,7 @@ impl Conn {
             connect_timeout: Duration::from_secs_f64(self.timeout.min(5.0)),
             op_timeout: Duration::from_secs_f64(self.timeout),
             io_threads,
+            ..ClientConfig::default()
         })
     }
 }
