@@ -106,12 +106,14 @@ def test_killed_server_turns_its_keys_into_misses_without_hanging(memkv_cluster2
     assert time.monotonic() - t0 < 15
     for s, lost, v, d in zip(st, owned_by_victim, vals, dst, strict=True):
         if lost:
-            assert s == Status.UNAVAILABLE
+            # Marked down (UNAVAILABLE), or refused when the backoff expired and it was retried.
+            assert s in (Status.UNAVAILABLE, Status.REFUSED)
         else:
             assert s == Status.OK and np.array_equal(v, d)
     assert any(owned_by_victim) and not all(owned_by_victim)
     t0 = time.monotonic()
-    assert c.exists(keys).count(Status.UNAVAILABLE) == sum(owned_by_victim)
+    st = c.exists(keys)
+    assert [s in (Status.UNAVAILABLE, Status.REFUSED) for s in st] == owned_by_victim
     assert time.monotonic() - t0 < 5, "a known-down server must answer fast (backoff)"
 
 
@@ -120,9 +122,9 @@ def test_auth_key_required_and_checked(memkv_server_factory):
     good = client_for(srv, auth_key=bytes.fromhex(KEY_HEX))
     assert good.put([b"secret"], [b"v"]) == [Status.OK]
     wrong = client_for(srv, auth_key=bytes.fromhex("cd" * 32))
-    assert wrong.exists([b"secret"]) == [Status.UNAVAILABLE]
+    assert wrong.exists([b"secret"]) == [Status.AUTH_FAILED]
     none = client_for(srv)
-    assert none.exists([b"secret"]) == [Status.UNAVAILABLE]
+    assert none.exists([b"secret"]) == [Status.AUTH_FAILED]
     assert good.exists([b"secret"]) == [Status.OK], "server must still serve after rejections"
     errors = srv.stats()["errors"]
     assert errors["auth_failed"] >= 1
@@ -187,7 +189,7 @@ def test_concurrent_clients_never_read_wrong_bytes(memkv_server_factory):
 
 
 def test_rdma_transport_is_refused_clearly(memkv_server):
-    with pytest.raises(ValueError, match="TCP transport only"):
+    with pytest.raises(ValueError, match="'rdma' is not available.*TCP transport only"):
         client_for(memkv_server, transport="rdma")
 
 
@@ -213,8 +215,8 @@ def test_frozen_server_times_out_into_misses_then_recovers(memkv_server):
         time.sleep(0.01)
     try:
         t0 = time.monotonic()
-        assert c.get_into([b"f"], [bytearray(1)]) == [Status.UNAVAILABLE]
-        assert time.monotonic() - t0 < 5
+        assert c.get_into([b"f"], [bytearray(1)]) == [Status.TIMEOUT]
+        assert time.monotonic() - t0 < 1.5
     finally:
         memkv_server.proc.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + 15

@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 pub use conn::Buf;
 use conn::{Conn, ConnError};
 pub use exec::{Executor, Op, OpResult};
-use pool::{Pool, PoolConfig};
 pub use pool::{Failure, Health};
+use pool::{Pool, PoolConfig};
 pub use status::Status;
 use transport::{Tcp, Transport};
 
@@ -142,9 +142,11 @@ impl Client {
         let transport: Arc<dyn Transport> = match cfg.transport {
             TransportChoice::Tcp => Arc::new(Tcp),
             TransportChoice::Rdma => {
-                return Err("transport 'rdma' is not available: this build of memkv has the TCP \
+                return Err(
+                    "transport 'rdma' is not available: this build of memkv has the TCP \
                      transport only; use 'tcp', or 'auto' to use RDMA once a build provides it"
-                    .into())
+                        .into(),
+                )
             }
             TransportChoice::Auto => {
                 static SAID: Once = Once::new();
@@ -161,7 +163,10 @@ impl Client {
             connect_timeout: cfg.connect_timeout,
             transport,
         });
-        let pools = ids.iter().map(|s| Pool::new(s.clone(), pc.clone())).collect();
+        let pools = ids
+            .iter()
+            .map(|s| Pool::new(s.clone(), pc.clone()))
+            .collect();
         Ok(Arc::new(Client {
             pools,
             ids,
@@ -185,19 +190,31 @@ impl Client {
 
     pub fn exists(&self, keys: &[Vec<u8>], lease_ms: u32) -> Vec<(Status, u64)> {
         let mut out = vec![(Status::InvalidKey, 0); keys.len()];
-        self.fan_out(keys, Frame::Keys, &mut out, |s| (s, 0), |c, idx| {
-            let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_slice()).collect();
-            c.exists(&ks, lease_ms)
-        });
+        self.fan_out(
+            keys,
+            Frame::Keys,
+            &mut out,
+            |s| (s, 0),
+            |c, idx| {
+                let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_slice()).collect();
+                c.exists(&ks, lease_ms)
+            },
+        );
         out
     }
 
     pub fn delete(&self, keys: &[Vec<u8>]) -> Vec<Status> {
         let mut out = vec![Status::InvalidKey; keys.len()];
-        self.fan_out(keys, Frame::Keys, &mut out, |s| s, |c, idx| {
-            let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_slice()).collect();
-            c.delete(&ks)
-        });
+        self.fan_out(
+            keys,
+            Frame::Keys,
+            &mut out,
+            |s| s,
+            |c, idx| {
+                let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_slice()).collect();
+                c.delete(&ks)
+            },
+        );
         out
     }
 
@@ -226,25 +243,31 @@ impl Client {
     fn transfer(&self, keys: &[Vec<u8>], bufs: &[Buf], put: bool) -> Vec<Status> {
         assert_eq!(keys.len(), bufs.len(), "one buffer per key");
         let mut out = vec![Status::InvalidKey; keys.len()];
-        self.fan_out(keys, Frame::KeyLens, &mut out, |s| s, |c, idx| {
-            // Values bigger than a server accepts are refused here rather than sent and discarded.
-            let max = c.max_value_len as usize;
-            let (ok, too_big): (Vec<usize>, Vec<usize>) =
-                idx.iter().partition(|&&i| !put || bufs[i].len <= max);
-            let ks: Vec<&[u8]> = ok.iter().map(|&i| keys[i].as_slice()).collect();
-            let bs: Vec<Buf> = ok.iter().map(|&i| bufs[i]).collect();
-            let st = if ks.is_empty() {
-                vec![]
-            } else if put {
-                c.put(&ks, &bs)?
-            } else {
-                c.get(&ks, &bs)?
-            };
-            let mut res: Vec<(usize, Status)> = ok.into_iter().zip(st).collect();
-            res.extend(too_big.into_iter().map(|i| (i, Status::TooLarge)));
-            res.sort_unstable_by_key(|(i, _)| *i);
-            Ok(res.into_iter().map(|(_, s)| s).collect())
-        });
+        self.fan_out(
+            keys,
+            Frame::KeyLens,
+            &mut out,
+            |s| s,
+            |c, idx| {
+                // Values bigger than a server accepts are refused here rather than sent and discarded.
+                let max = c.max_value_len as usize;
+                let (ok, too_big): (Vec<usize>, Vec<usize>) =
+                    idx.iter().partition(|&&i| !put || bufs[i].len <= max);
+                let ks: Vec<&[u8]> = ok.iter().map(|&i| keys[i].as_slice()).collect();
+                let bs: Vec<Buf> = ok.iter().map(|&i| bufs[i]).collect();
+                let st = if ks.is_empty() {
+                    vec![]
+                } else if put {
+                    c.put(&ks, &bs)?
+                } else {
+                    c.get(&ks, &bs)?
+                };
+                let mut res: Vec<(usize, Status)> = ok.into_iter().zip(st).collect();
+                res.extend(too_big.into_iter().map(|i| (i, Status::TooLarge)));
+                res.sort_unstable_by_key(|(i, _)| *i);
+                Ok(res.into_iter().map(|(_, s)| s).collect())
+            },
+        );
         out
     }
 

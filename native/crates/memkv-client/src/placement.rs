@@ -18,7 +18,9 @@ pub fn canonical_server(text: &str) -> Result<String, String> {
         return Err("empty server address".into());
     }
     let (host, port_text) = if let Some(rest) = s.strip_prefix('[') {
-        let Some((h, p)) = rest.split_once(']').and_then(|(h, p)| Some((h, p.strip_prefix(':')?)))
+        let Some((h, p)) = rest
+            .split_once(']')
+            .and_then(|(h, p)| Some((h, p.strip_prefix(':')?)))
         else {
             return Err(format!("server '{s}' must look like '[v6addr]:port'"));
         };
@@ -79,7 +81,11 @@ fn compressed_v6(a: &Ipv6Addr) -> String {
     let (mut best, mut run) = ((0usize, 0usize), (0usize, 0usize));
     for (i, &x) in h.iter().enumerate() {
         if x == 0 {
-            run = if run.1 == 0 { (i, 1) } else { (run.0, run.1 + 1) };
+            run = if run.1 == 0 {
+                (i, 1)
+            } else {
+                (run.0, run.1 + 1)
+            };
             if run.1 > best.1 {
                 best = run;
             }
@@ -87,7 +93,12 @@ fn compressed_v6(a: &Ipv6Addr) -> String {
             run = (0, 0);
         }
     }
-    let hex = |r: &[u16]| r.iter().map(|x| format!("{x:x}")).collect::<Vec<_>>().join(":");
+    let hex = |r: &[u16]| {
+        r.iter()
+            .map(|x| format!("{x:x}"))
+            .collect::<Vec<_>>()
+            .join(":")
+    };
     if best.1 < 2 {
         return hex(&h);
     }
@@ -130,10 +141,29 @@ mod tests {
             assert_eq!(canonical_server(text).as_deref(), Ok(canon), "{text}");
         }
         for bad in [
-            "", "host", "host:", ":80", "host:0", "host:65536", "host:+80", "host:123456",
-            "::1:80", "[::1]", "[::1]80", "[::1:80", "[zz::1]:80", "[127.0.0.1]:80", "a b:80",
-            "-host:80", "host-:80", "1.2.3:80", "256.1.1.1:80", "01.2.3.4:80", "a..b:80",
-            "http://h:80", "h:80/x",
+            "",
+            "host",
+            "host:",
+            ":80",
+            "host:0",
+            "host:65536",
+            "host:+80",
+            "host:123456",
+            "::1:80",
+            "[::1]",
+            "[::1]80",
+            "[::1:80",
+            "[zz::1]:80",
+            "[127.0.0.1]:80",
+            "a b:80",
+            "-host:80",
+            "host-:80",
+            "1.2.3:80",
+            "256.1.1.1:80",
+            "01.2.3.4:80",
+            "a..b:80",
+            "http://h:80",
+            "h:80/x",
         ] {
             assert!(canonical_server(bad).is_err(), "{bad:?} accepted");
         }

@@ -156,9 +156,7 @@ mod tests {
             }
         });
         let t = Instant::now();
-        let mut link = Tcp
-            .connect(&addr, t + Duration::from_millis(400))
-            .unwrap();
+        let mut link = Tcp.connect(&addr, t + Duration::from_millis(400)).unwrap();
         let mut buf = [0u8; 1024];
         let err = link.read_exact(&mut buf).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);

@@ -90,7 +90,9 @@ impl PyClient {
             || !connect_timeout_s.is_finite()
             || !op_timeout_s.is_finite()
         {
-            return Err(PyValueError::new_err("timeouts must be positive and finite"));
+            return Err(PyValueError::new_err(
+                "timeouts must be positive and finite",
+            ));
         }
         let cfg = ClientConfig {
             servers,
@@ -108,7 +110,12 @@ impl PyClient {
 
     /// (status code, stored length) per key; with lease_ms > 0 found values are leased.
     #[pyo3(signature = (keys, lease_ms=0))]
-    fn exists(&self, py: Python<'_>, keys: Vec<Vec<u8>>, lease_ms: u32) -> PyResult<Vec<(u8, u64)>> {
+    fn exists(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Vec<u8>>,
+        lease_ms: u32,
+    ) -> PyResult<Vec<(u8, u64)>> {
         let c = &self.inner;
         Ok(py
             .detach(|| no_panic(|| c.exists(&keys, lease_ms)))?
