@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 # Status codes of memkv_vllm.client.Status, repeated as ints so this module imports without the
 # native extension (tests of the interface, other stacks bringing their own client).
-_OK, _NOT_FOUND, _UNAVAILABLE, _OK_NO_LEASE = 0, 1, 5, 8
+_OK, _NOT_FOUND, _UNAVAILABLE, _OK_NO_LEASE, _TIMEOUT = 0, 1, 5, 8, 16
 
 
 class Lookup(enum.Enum):
@@ -106,7 +106,7 @@ class _Job:
     statuses: list[int] = attrs.Factory(list)
     remaining: int = 0
     t_done: float = 0.0
-    timed_out: bool = False  # some op failed UNAVAILABLE after running into the op timeout
+    timed_out: bool = False  # some op ran into the op timeout (TIMEOUT, or UNAVAILABLE that late)
 
 
 @attrs.define(eq=False)
@@ -326,8 +326,9 @@ class BlockStore:
                 logger.warning("memkv %s failed: %s", "load" if is_load else "store", e)
                 st = [_UNAVAILABLE] * (hi - lo)
             job.statuses[lo:hi] = st
-            if _UNAVAILABLE in st and (
-                time.monotonic() - t_op >= 0.9 * self.options.load_timeout_s
+            if _TIMEOUT in st or (
+                _UNAVAILABLE in st
+                and time.monotonic() - t_op >= 0.9 * self.options.load_timeout_s
             ):
                 job.timed_out = True
             with self._cv:

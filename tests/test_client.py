@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import socket
+import struct
+import subprocess
 import threading
 import time
 
 import numpy as np
 import pytest
+from memkv_procs import memkv_command
 
+from memkv_vllm import _native
 from memkv_vllm.client import MemKVClient, Status
-from memkv_vllm.config import MemKVConfig
+from memkv_vllm.config import MemKVConfig, parse_server
 
 KEY_HEX = "ab" * 32
 
@@ -223,3 +230,162 @@ def test_frozen_server_times_out_into_misses_then_recovers(memkv_server):
     while c.exists([b"f"]) != [Status.OK]:
         assert time.monotonic() < deadline, "client never recovered"
         time.sleep(0.2)
+
+
+# --- honest outcomes, true deadlines (a server that trickles, refuses, or is not memkv) ---------
+
+
+def _frame(opcode: int, request_id: int, body: bytes, payload_len: int = 0) -> bytes:
+    """One memkv frame header (docs/protocol.md) followed by its body."""
+    return struct.pack("<2sBBIQIIQ", b"MK", 1, opcode, 0, request_id, len(body), 0,
+                       payload_len) + body
+
+
+class TricklingPeer(threading.Thread):
+    """A fake memkv server for one connection: answers HELLO, then answers the first request
+    with `reply(request_id)` (header and body at once) and trickles `trickle` bytes one per
+    50 ms until the client hangs up."""
+
+    def __init__(self, reply, trickle: int) -> None:
+        super().__init__(daemon=True)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.reply, self.trickle, self.sent = reply, trickle, 0
+        self.start()
+
+    def _read(self, conn: socket.socket, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = conn.recv(n - len(data))
+            assert chunk, "client hung up early"
+            data += chunk
+        return data
+
+    def run(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn, self.listener:
+            self._read(conn, 32)
+            conn.sendall(_frame(0x81, 1, struct.pack("<B32sQ", 0, bytes(32), 1 << 20)))
+            hdr = self._read(conn, 32)
+            request_id, body_len = struct.unpack_from("<QI", hdr, 8)
+            self._read(conn, body_len)
+            conn.sendall(self.reply(request_id))
+            try:
+                for _ in range(self.trickle):
+                    conn.sendall(b"\xab")
+                    self.sent += 1
+                    time.sleep(0.05)
+            except OSError:
+                pass  # the client closed the connection at its deadline
+
+
+def test_trickled_get_ends_at_the_deadline_and_leaves_unanswered_buffers_alone():
+    table = struct.pack("<IBQBQ", 2, Status.NOT_FOUND, 0, Status.OK, 100)
+    peer = TricklingPeer(lambda rid: _frame(0x86, rid, table, payload_len=100), trickle=100)
+    c = client_for(peer, op_timeout_s=1.0)
+    miss, slow = bytearray(b"\x07" * 100), bytearray(b"\x07" * 100)
+    t0 = time.monotonic()
+    st = c.get_into([b"a", b"b"], [miss, slow])
+    took = time.monotonic() - t0
+    assert st == [Status.TIMEOUT, Status.TIMEOUT]
+    assert took < 1.5, f"a 1 s deadline took {took:.1f} s against a trickling server"
+    assert miss == b"\x07" * 100, "a buffer whose key was not answered OK was written"
+    after = bytes(slow)
+    peer.join(10)
+    assert not peer.is_alive() and peer.sent < 40
+    assert slow == after, "caller memory written after the call returned"
+    h = c.health()[peer.address]
+    assert h["up"] is False and h["last_failure"] == "TIMEOUT"
+
+
+def test_each_failure_says_what_happened(memkv_server_factory, caplog):
+    caplog.set_level(logging.DEBUG, logger="memkv_client")
+    # Nothing listens: REFUSED, then UNAVAILABLE while marked down, with the reason kept.
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    c = MemKVClient(MemKVConfig(servers=(closed,)))
+    assert c.exists([b"k"]) == [Status.REFUSED]
+    assert c.exists([b"k"]) == [Status.UNAVAILABLE]
+    st = c.stats()[closed]
+    assert "error" in st and st["client"]["last_failure"] == "REFUSED"
+    assert "refused" in st["client"]["reason"].lower()
+    # Wrong key: AUTH_FAILED, and the server is fine for others.
+    srv = memkv_server_factory(auth_key=KEY_HEX)
+    wrong = client_for(srv, auth_key=bytes.fromhex("cd" * 32))
+    assert wrong.put([b"x"], [b"1"]) == [Status.AUTH_FAILED]
+    assert wrong.health()[srv.address]["last_failure"] == "AUTH_FAILED"
+    # Not a memkv server: PROTOCOL_ERROR.
+    peer = TricklingPeer(lambda rid: b"HTTP/1.1 400 Bad Request\r\n\r\n" + bytes(32), trickle=0)
+    assert client_for(peer).exists([b"k"]) == [Status.PROTOCOL_ERROR]
+    peer.join(10)
+    downs = [r for r in caplog.records if "server down" in r.getMessage()]
+    assert len(downs) == 3, [r.getMessage() for r in downs]  # one per server, not per call
+    assert all(r.levelno == logging.WARNING for r in downs)
+
+
+def test_down_and_up_are_logged_once_each(memkv_server, caplog):
+    caplog.set_level(logging.INFO, logger="memkv_client")
+    c = client_for(memkv_server, op_timeout_s=0.5, connect_timeout_s=0.5)
+    assert c.put([b"f"], [b"1"]) == [Status.OK]
+    memkv_server.proc.send_signal(signal.SIGSTOP)
+    stat = f"/proc/{memkv_server.proc.pid}/stat"
+    while open(stat).read().split(") ")[1][0] != "T":  # wait until it is really stopped
+        time.sleep(0.01)
+    try:
+        t_end = time.monotonic() + 2.0  # several backoff periods: retried, still down
+        while time.monotonic() < t_end:
+            assert c.exists([b"f"])[0] in (Status.TIMEOUT, Status.UNAVAILABLE)
+    finally:
+        memkv_server.proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 15
+    while c.exists([b"f"]) != [Status.OK]:
+        assert time.monotonic() < deadline, "client never recovered"
+        time.sleep(0.05)
+    msgs = [r.getMessage() for r in caplog.records if r.name.startswith("memkv_client")]
+    assert sum("server down" in m for m in msgs) == 1, msgs
+    assert sum("answers again" in m for m in msgs) == 1, msgs
+    assert "outcome=TIMEOUT" in next(m for m in msgs if "server down" in m)
+    assert c.health()[memkv_server.address]["up"] is True
+
+
+def test_batches_beyond_the_frame_limits_are_split(memkv_server):
+    c = client_for(memkv_server)
+    keys = [b"split/%d" % i for i in range(70_000)]  # more keys than one frame carries
+    assert set(c.exists(keys)) == {Status.NOT_FOUND}
+    assert c.health()[memkv_server.address]["up"] is True
+
+
+def test_status_numbers_match_the_native_client():
+    assert dict(_native.statuses()) == {s.name: s.value for s in Status}
+
+
+def test_native_client_places_keys_like_the_config_whatever_the_spelling(memkv_cluster2):
+    a, b = (s.port for s in memkv_cluster2)
+    canon = (f"127.0.0.1:{a}", f"localhost:{b}")
+    py = MemKVClient(MemKVConfig(servers=canon))
+    raw = _native.Client([f" 127.0.0.1:{a}\t", f"LocalHost.:{b}"])
+    assert raw.servers() == list(canon)
+    assert [parse_server(s) for s in (f" 127.0.0.1:{a}\t", f"LocalHost.:{b}")] == list(canon)
+    for i in range(2000):
+        k = b"place/%d" % i
+        assert canon[raw.server_of(k)] == py.server_of(k)
+
+
+def test_transport_auto_runs_tcp_and_says_so(memkv_server, caplog):
+    caplog.set_level(logging.INFO, logger="memkv_client")
+    c = client_for(memkv_server, transport="auto", rdma_devices=("mlx5_0",))
+    assert c.put([b"auto"], [b"1"]) == [Status.OK]
+    said = [r.getMessage() for r in caplog.records if "no RDMA transport" in r.getMessage()]
+    assert len(said) == 1 and "using TCP" in said[0]
+
+
+def test_bench_against_a_too_small_server_fails_clearly():
+    out = subprocess.run(
+        memkv_command() + ["bench", "--memory", "8M", "--sizes", "4M", "--threads", "2",
+                           "--keys", "4", "--volume", "16M", "--repeat", "1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "exceeds the servers' memory" in out.stderr
+    assert "panic" not in (out.stdout + out.stderr).lower()
+    assert "Traceback" not in out.stderr

@@ -216,7 +216,7 @@ impl Pool {
                 "memkv request refused; the server stays up");
         } else if was_up {
             tracing::warn!(server = %self.addr, outcome = %status, error = %reason,
-                "memkv server down; its keys are misses until it answers again");
+                "memkv server down; its keys are misses until it recovers");
         } else {
             tracing::debug!(server = %self.addr, outcome = %status, error = %reason,
                 backoff_ms = backoff.as_millis() as u64, "memkv server still down");
