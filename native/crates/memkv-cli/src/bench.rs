@@ -244,30 +244,30 @@ fn memkv_point(
             .into_iter()
             .enumerate()
             .map(|(th, mut bufs)| {
-            sc.spawn(move || -> Option<Vec<Status>> {
-                // Built once: the same buffers serve every request of this thread.
-                let b: Vec<Buf> = bufs.iter_mut().map(|v| Buf::of_mut(v)).collect();
-                for i in 0..requests {
-                    let keys: Vec<Vec<u8>> = (0..w.batch)
-                        .map(|j| {
-                            let k = (i * w.batch + j) % w.keys;
-                            format!("bench/m/{size}/{th}/{k}").into_bytes()
-                        })
-                        .collect();
-                    // SAFETY: the buffers outlive the call, are distinct and this thread's alone.
-                    let st = unsafe {
-                        if put {
-                            client.put(&keys, &b)
-                        } else {
-                            client.get(&keys, &b)
+                sc.spawn(move || -> Option<Vec<Status>> {
+                    // Built once: the same buffers serve every request of this thread.
+                    let b: Vec<Buf> = bufs.iter_mut().map(|v| Buf::of_mut(v)).collect();
+                    for i in 0..requests {
+                        let keys: Vec<Vec<u8>> = (0..w.batch)
+                            .map(|j| {
+                                let k = (i * w.batch + j) % w.keys;
+                                format!("bench/m/{size}/{th}/{k}").into_bytes()
+                            })
+                            .collect();
+                        // SAFETY: the buffers outlive the call, are distinct and this thread's alone.
+                        let st = unsafe {
+                            if put {
+                                client.put(&keys, &b)
+                            } else {
+                                client.get(&keys, &b)
+                            }
+                        };
+                        if st.iter().any(|s| *s != Status::Ok) {
+                            return Some(st);
                         }
-                    };
-                    if st.iter().any(|s| *s != Status::Ok) {
-                        return Some(st);
                     }
-                }
-                None
-            })
+                    None
+                })
             })
             .collect();
         hs.into_iter()

@@ -49,6 +49,11 @@ fn bufs(keys: &[Vec<u8>], ptrs: &[usize], sizes: &[usize]) -> PyResult<Vec<Buf>>
         .collect()
 }
 
+/// Per server: (address, answer or None, error or None).
+type PerServer<T> = Vec<(String, Option<T>, Option<String>)>;
+/// Per server: (address, up, last failure's status code, its reason, seconds since it).
+type HealthRows = Vec<(String, bool, Option<u8>, Option<String>, Option<f64>)>;
+
 fn codes(st: &[Status]) -> Vec<u8> {
     st.iter().map(|s| *s as u8).collect()
 }
@@ -86,10 +91,8 @@ impl PyClient {
         transport: &str,
         rdma_devices: Vec<String>,
     ) -> PyResult<Self> {
-        if !(connect_timeout_s > 0.0 && op_timeout_s > 0.0)
-            || !connect_timeout_s.is_finite()
-            || !op_timeout_s.is_finite()
-        {
+        let ok = |t: f64| t > 0.0 && t.is_finite();
+        if !(ok(connect_timeout_s) && ok(op_timeout_s)) {
             return Err(PyValueError::new_err(
                 "timeouts must be positive and finite",
             ));
@@ -190,7 +193,7 @@ impl PyClient {
     }
 
     /// [(address, seconds or None, error or None)] per server.
-    fn ping(&self, py: Python<'_>) -> PyResult<Vec<(String, Option<f64>, Option<String>)>> {
+    fn ping(&self, py: Python<'_>) -> PyResult<PerServer<f64>> {
         let c = &self.inner;
         Ok(py
             .detach(|| no_panic(|| c.ping()))?
@@ -203,7 +206,7 @@ impl PyClient {
     }
 
     /// [(address, stats JSON or None, error or None)] per server.
-    fn stats(&self, py: Python<'_>) -> PyResult<Vec<(String, Option<String>, Option<String>)>> {
+    fn stats(&self, py: Python<'_>) -> PyResult<PerServer<String>> {
         let c = &self.inner;
         Ok(py
             .detach(|| no_panic(|| c.stats()))?
@@ -217,11 +220,7 @@ impl PyClient {
 
     /// [(address, up, last failure's status code or None, its reason or None, seconds since it
     /// or None)] per server, as this client sees them; no request is sent.
-    #[allow(clippy::type_complexity)]
-    fn health(
-        &self,
-        py: Python<'_>,
-    ) -> PyResult<Vec<(String, bool, Option<u8>, Option<String>, Option<f64>)>> {
+    fn health(&self, py: Python<'_>) -> PyResult<HealthRows> {
         let c = &self.inner;
         Ok(py
             .detach(|| no_panic(|| c.health()))?
