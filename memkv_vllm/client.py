@@ -84,7 +84,9 @@ def _statuses(codes: Sequence[int]) -> list[Status]:
 
 
 class Op:
-    """A submitted batch. ``wait`` returns per-key statuses, or None on timeout."""
+    """A submitted batch. ``wait`` returns per-key statuses, or None on timeout; it raises
+    RuntimeError only if the native operation hit a bug (a Rust panic), never for a failed
+    server."""
 
     __slots__ = ("_op", "_exists")
 
