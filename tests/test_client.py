@@ -349,7 +349,7 @@ def test_down_and_up_are_logged_once_each(memkv_server, caplog):
 
 
 def test_batches_beyond_the_frame_limits_are_split(memkv_server):
-    c = client_for(memkv_server)
+    c = client_for(memkv_server, connections_per_server=1)  # the whole batch on one connection
     keys = [b"split/%d" % i for i in range(70_000)]  # more keys than one frame carries
     assert set(c.exists(keys)) == {Status.NOT_FOUND}
     assert c.health()[memkv_server.address]["up"] is True

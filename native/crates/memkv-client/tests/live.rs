@@ -324,7 +324,14 @@ fn a_frame_refused_as_too_large_does_not_mark_the_server_down() {
 #[test]
 fn batches_beyond_the_protocol_limits_are_split_not_refused() {
     let s = server(64 << 20, None);
-    let c = client(&[&s], None);
+    // One connection, so that the whole batch goes into one connection's frames.
+    let c = Client::new(ClientConfig {
+        servers: vec![s.addr.to_string()],
+        connections_per_server: 1,
+        op_timeout: Duration::from_secs(10),
+        ..ClientConfig::default()
+    })
+    .unwrap();
     // More keys than one frame may carry.
     let many: Vec<Vec<u8>> = (0..70_000u32)
         .map(|i| format!("many/{i}").into_bytes())
