@@ -209,11 +209,11 @@ def test_env_config_reaches_the_client(memkv_server, monkeypatch):
     assert os.environ["MEMKV_SERVERS"] == memkv_server.address
 
 
-def test_frozen_server_times_out_into_misses_then_recovers(memkv_server):
+def test_frozen_server_times_out_then_recovers_logging_each_change_once(memkv_server, caplog):
     """A server that accepts but stops answering (SIGSTOP) costs one op timeout, not a hang;
-    once it answers again the client reconnects after its backoff."""
-    import signal
-
+    retries during its backoff periods stay quiet; once it answers again the client reconnects.
+    Going down (with the reason) and coming back are logged once each."""
+    caplog.set_level(logging.INFO, logger="memkv_client")
     c = client_for(memkv_server, op_timeout_s=1.0, connect_timeout_s=0.5)
     assert c.put([b"f"], [b"1"]) == [Status.OK]
     memkv_server.proc.send_signal(signal.SIGSTOP)
@@ -224,12 +224,20 @@ def test_frozen_server_times_out_into_misses_then_recovers(memkv_server):
         t0 = time.monotonic()
         assert c.get_into([b"f"], [bytearray(1)]) == [Status.TIMEOUT]
         assert time.monotonic() - t0 < 1.5
+        t_end = time.monotonic() + 2.0  # several backoff periods: retried, still down
+        while time.monotonic() < t_end:
+            assert c.exists([b"f"])[0] in (Status.TIMEOUT, Status.UNAVAILABLE)
     finally:
         memkv_server.proc.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + 15
     while c.exists([b"f"]) != [Status.OK]:
         assert time.monotonic() < deadline, "client never recovered"
-        time.sleep(0.2)
+        time.sleep(0.05)
+    msgs = [r.getMessage() for r in caplog.records if r.name.startswith("memkv_client")]
+    assert sum("server down" in m for m in msgs) == 1, msgs
+    assert sum("answers again" in m for m in msgs) == 1, msgs
+    assert "outcome=TIMEOUT" in next(m for m in msgs if "server down" in m)
+    assert c.health()[memkv_server.address]["up"] is True
 
 
 # --- honest outcomes, true deadlines (a server that trickles, refuses, or is not memkv) ---------
@@ -321,31 +329,6 @@ def test_each_failure_says_what_happened(memkv_server_factory, caplog):
     downs = [r for r in caplog.records if "server down" in r.getMessage()]
     assert len(downs) == 3, [r.getMessage() for r in downs]  # one per server, not per call
     assert all(r.levelno == logging.WARNING for r in downs)
-
-
-def test_down_and_up_are_logged_once_each(memkv_server, caplog):
-    caplog.set_level(logging.INFO, logger="memkv_client")
-    c = client_for(memkv_server, op_timeout_s=0.5, connect_timeout_s=0.5)
-    assert c.put([b"f"], [b"1"]) == [Status.OK]
-    memkv_server.proc.send_signal(signal.SIGSTOP)
-    stat = f"/proc/{memkv_server.proc.pid}/stat"
-    while open(stat).read().split(") ")[1][0] != "T":  # wait until it is really stopped
-        time.sleep(0.01)
-    try:
-        t_end = time.monotonic() + 2.0  # several backoff periods: retried, still down
-        while time.monotonic() < t_end:
-            assert c.exists([b"f"])[0] in (Status.TIMEOUT, Status.UNAVAILABLE)
-    finally:
-        memkv_server.proc.send_signal(signal.SIGCONT)
-    deadline = time.monotonic() + 15
-    while c.exists([b"f"]) != [Status.OK]:
-        assert time.monotonic() < deadline, "client never recovered"
-        time.sleep(0.05)
-    msgs = [r.getMessage() for r in caplog.records if r.name.startswith("memkv_client")]
-    assert sum("server down" in m for m in msgs) == 1, msgs
-    assert sum("answers again" in m for m in msgs) == 1, msgs
-    assert "outcome=TIMEOUT" in next(m for m in msgs if "server down" in m)
-    assert c.health()[memkv_server.address]["up"] is True
 
 
 def test_batches_beyond_the_frame_limits_are_split(memkv_server):
