@@ -197,9 +197,10 @@ class MemKVClient:
         """Counters per server address, plus ``"client"``: this client's view of the server
         (see :meth:`health`). A server that does not answer maps to ``{"error": why, "client":
         ...}``."""
-        health = self.health()
+        rows = self._c.stats()
+        health = self.health()  # after the requests, so it includes what they found
         out: dict[str, dict[str, Any]] = {}
-        for addr, text, err in self._c.stats():
+        for addr, text, err in rows:
             out[addr] = json.loads(text) if text is not None else {"error": err}
             out[addr]["client"] = health[addr]
         return out
