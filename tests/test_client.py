@@ -372,3 +372,14 @@ def test_bench_against_a_too_small_server_fails_clearly():
     assert "exceeds the servers' memory" in out.stderr
     assert "panic" not in (out.stdout + out.stderr).lower()
     assert "Traceback" not in out.stderr
+
+
+def test_odd_numbers_from_python_raise_value_errors_not_panics(memkv_server):
+    c = client_for(memkv_server)
+    op = c.submit_exists([b"k"])
+    assert op.wait(float("inf")) == [Status.NOT_FOUND]  # inf = no limit
+    assert op.wait(-1) == [Status.NOT_FOUND]  # negative = poll
+    with pytest.raises(ValueError, match="NaN"):
+        op.wait(float("nan"))
+    with pytest.raises(ValueError, match="seconds"):
+        _native.Client([memkv_server.address], None, 2, 1.0, 1e300)

@@ -58,6 +58,13 @@ fn codes(st: &[Status]) -> Vec<u8> {
     st.iter().map(|s| *s as u8).collect()
 }
 
+/// A finite, non-negative number of seconds as a Duration: ValueError otherwise (including
+/// values too large for a Duration), never a panic.
+fn seconds(s: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|e| PyValueError::new_err(format!("{s} is not a usable number of seconds: {e}")))
+}
+
 fn transport_choice(name: &str) -> PyResult<TransportChoice> {
     Ok(match name {
         "tcp" => TransportChoice::Tcp,
@@ -101,8 +108,8 @@ impl PyClient {
             servers,
             auth_key,
             connections_per_server,
-            connect_timeout: Duration::from_secs_f64(connect_timeout_s),
-            op_timeout: Duration::from_secs_f64(op_timeout_s),
+            connect_timeout: seconds(connect_timeout_s)?,
+            op_timeout: seconds(op_timeout_s)?,
             io_threads,
             transport: transport_choice(transport)?,
             rdma_devices,
@@ -318,7 +325,13 @@ impl PyOp {
     /// the operation panicked (a bug).
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Py<PyAny>>> {
-        let t = timeout.map(|s| Duration::from_secs_f64(s.clamp(0.0, 1e9)));
+        // inf = no limit; a negative wait is a poll.
+        let t = match timeout {
+            Some(s) if s.is_nan() => return Err(PyValueError::new_err("timeout is NaN")),
+            Some(s) if s == f64::INFINITY => None,
+            Some(s) => Some(seconds(s.max(0.0))?),
+            None => None,
+        };
         let op = self.op.clone();
         let r = py.detach(move || op.wait(t));
         Ok(match r {
