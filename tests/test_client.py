@@ -383,3 +383,11 @@ def test_odd_numbers_from_python_raise_value_errors_not_panics(memkv_server):
         op.wait(float("nan"))
     with pytest.raises(ValueError, match="seconds"):
         _native.Client([memkv_server.address], None, 2, 1.0, 1e300)
+
+
+def test_cli_rejects_a_bad_timeout_without_a_panic():
+    out = subprocess.run(memkv_command() + ["ping", "--timeout=-1", "--servers", "127.0.0.1:1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "--timeout -1 is not a positive number of seconds" in out.stderr
+    assert "panic" not in out.stderr.lower()
