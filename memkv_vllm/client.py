@@ -5,8 +5,11 @@ numpy arrays and any buffer-protocol object are turned into (address, length) pa
 owning objects are kept alive until the native I/O that uses them is finished. Blocking calls
 release the GIL; ``submit_*`` calls run on native I/O threads and return an :class:`Op`.
 
-A server that is down, slow or misbehaving never raises here: its keys come back
-``Status.UNAVAILABLE`` (a miss / a dropped store), and the caller decides what to do.
+A server that is down, slow or misbehaving never raises here: its keys come back with a status
+that says what happened (``TIMEOUT``, ``REFUSED``, ``AUTH_FAILED``, ``PROTOCOL_ERROR``, or
+``UNAVAILABLE`` while the server is marked down after such a failure), and the caller decides what
+to do. A server going down is logged once, with the reason, on the ``memkv_client`` logger (and
+coming back once); :meth:`MemKVClient.stats` and :meth:`MemKVClient.health` show the reason too.
 """
 
 from __future__ import annotations
@@ -28,17 +31,27 @@ MAX_KEY_LEN: int = _native.MAX_KEY_LEN
 
 
 class Status(enum.IntEnum):
-    """Per-key outcome; the numbers are the wire protocol's status bytes."""
+    """Per-key outcome. 0..8 are the wire protocol's status bytes; 16 and up only the client
+    produces (the native client defines the same numbers; a test checks they agree).
+
+    PUT: ``OK`` means stored. ``TIMEOUT``, ``UNAVAILABLE`` and ``PROTOCOL_ERROR`` mean unknown
+    (the value may have reached the server before the failure; a later GET then returns exactly
+    these bytes or a miss, never other bytes). Every other status means not stored.
+    """
 
     OK = 0
     NOT_FOUND = 1
     LENGTH_MISMATCH = 2
-    TOO_LARGE = 3
+    TOO_LARGE = 3  # the value exceeds the server's limit; nothing stored
     NO_SPACE = 4
-    UNAVAILABLE = 5
+    UNAVAILABLE = 5  # the server is marked down after a failure (see health()), or the link broke
     CORRUPT = 6
     INVALID_KEY = 7
     OK_NO_LEASE = 8
+    TIMEOUT = 16  # the operation's deadline (op_timeout_s) passed before this key's answer
+    REFUSED = 17  # the server refused the connection (nothing listens there)
+    AUTH_FAILED = 18  # the server needs an auth key and ours is missing or wrong
+    PROTOCOL_ERROR = 19  # the server's reply is not valid memkv protocol
 
     @staticmethod
     def is_ok(s: int) -> bool:
@@ -71,7 +84,9 @@ def _statuses(codes: Sequence[int]) -> list[Status]:
 
 
 class Op:
-    """A submitted batch. ``wait`` returns per-key statuses, or None on timeout."""
+    """A submitted batch. ``wait`` returns per-key statuses, or None on timeout; it raises
+    RuntimeError only if the native operation hit a bug (a Rust panic), never for a failed
+    server."""
 
     __slots__ = ("_op", "_exists")
 
@@ -100,11 +115,7 @@ class MemKVClient:
     """Batched exists/put/get/delete against a cluster; keys are sharded by rendezvous hashing."""
 
     def __init__(self, config: MemKVConfig, io_threads: int | None = None) -> None:
-        if config.transport == "rdma":
-            raise ValueError(
-                "MEMKV_TRANSPORT=rdma: this build has the TCP transport only; "
-                "use 'tcp', or 'auto' to pick RDMA when a later build provides it"
-            )
+        """Raises ValueError for a setting this build cannot honour (``transport: rdma``)."""
         self.config = config
         self._c = _native.Client(
             list(config.servers),
@@ -113,6 +124,8 @@ class MemKVClient:
             config.connect_timeout_s,
             config.op_timeout_s,
             io_threads or config.io_threads,
+            config.transport,
+            list(config.rdma_devices),
         )
 
     @classmethod
@@ -139,11 +152,26 @@ class MemKVClient:
 
     def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
                  owner: object = None) -> list[Status]:
-        del owner  # held by the caller's frame for the duration of this blocking call
+        """Stores ``sizes[i]`` bytes at address ``ptrs[i]`` under ``keys[i]``.
+
+        UNSAFE: nothing checks the addresses. The caller guarantees that every range is readable
+        memory that stays valid and unchanged until this blocking call returns (``owner`` is
+        only a reminder to keep its owner referenced; the caller's frame holds it anyway).
+        """
+        del owner
         return _statuses(self._c.put(list(keys), list(ptrs), list(sizes)))
 
     def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
                       owner: object = None) -> list[Status]:
+        """Reads ``keys[i]`` into ``sizes[i]`` bytes at address ``ptrs[i]``.
+
+        UNSAFE: nothing checks the addresses. The caller guarantees that every range is
+        writable memory, not overlapping the others, that stays valid and that nobody else
+        reads or writes until this blocking call returns. A range is written only once its key
+        answered OK with exactly its size; a transfer that then fails part-way (TIMEOUT,
+        UNAVAILABLE, PROTOCOL_ERROR) may leave part of the value in that key's range. Nothing is
+        written after the call returns.
+        """
         del owner
         return _statuses(self._c.get_into(list(keys), list(ptrs), list(sizes)))
 
@@ -163,21 +191,32 @@ class MemKVClient:
         ptrs, sizes = self._addresses(buffers, writable=True)
         return Op(self._c.submit_get_into(list(keys), ptrs, sizes, list(buffers)))
 
-    def submit_put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
-                        owner: object = None) -> Op:
-        return Op(self._c.submit_put(list(keys), list(ptrs), list(sizes), owner))
-
-    def submit_get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int],
-                             sizes: Sequence[int], owner: object = None) -> Op:
-        return Op(self._c.submit_get_into(list(keys), list(ptrs), list(sizes), owner))
-
     # -- cluster -------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Counters per server address; a server that does not answer maps to {"error": ...}."""
+        """Counters per server address, plus ``"client"``: this client's view of the server
+        (see :meth:`health`). A server that does not answer maps to ``{"error": why, "client":
+        ...}``."""
+        rows = self._c.stats()
+        health = self.health()  # after the requests, so it includes what they found
         out: dict[str, dict[str, Any]] = {}
-        for addr, text, err in self._c.stats():
+        for addr, text, err in rows:
             out[addr] = json.loads(text) if text is not None else {"error": err}
+            out[addr]["client"] = health[addr]
+        return out
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        """Per server, without contacting it: ``up`` (False from a transport failure until a
+        request succeeds again), and the last failure (``last_failure``: the status name,
+        ``reason``: its text, ``failure_age_s``: seconds since), or None if none happened."""
+        out: dict[str, dict[str, Any]] = {}
+        for addr, up, code, reason, age in self._c.health():
+            out[addr] = {
+                "up": up,
+                "last_failure": None if code is None else Status(code).name,
+                "reason": reason,
+                "failure_age_s": age,
+            }
         return out
 
     def ping(self) -> dict[str, float | None]:

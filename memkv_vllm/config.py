@@ -16,7 +16,6 @@ never appears in an error, ``repr`` or :meth:`MemKVConfig.describe`.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 import os
@@ -26,6 +25,8 @@ from typing import Any, Literal
 
 import attrs
 import yaml
+
+from memkv_vllm import _native
 
 __all__ = [
     "CONFIG_ENV",
@@ -86,13 +87,6 @@ class ConfigError(ValueError):
 # Each check takes an already-typed value and raises ValueError with a message that never echoes
 # the auth key. The loader's parsers turn strings (env, yaml) into typed values first.
 
-# RFC 1123 host name: dot-separated labels of letters, digits and inner hyphens; underscores too,
-# because resolvers accept them and container runtimes hand out such names (compose services).
-_HOSTNAME_RE = re.compile(
-    r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
-    r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$"
-)
-_PORT_RE = re.compile(r"^[0-9]{1,5}$")
 _DEVICE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _INT_RE = re.compile(r"^[+-]?[0-9]+$")
 
@@ -101,37 +95,13 @@ def parse_server(text: str) -> str:
     """Validate one ``host:port`` (``[v6addr]:port`` for IPv6) and return its canonical spelling.
 
     Canonical means lower-case host names and compressed IPv6, so that every process that lists
-    the same servers hashes keys to the same places whatever the spelling.
+    the same servers hashes keys to the same places whatever the spelling. The native client
+    does this (it canonicalises its own list the same way, so a Rust embedder places keys
+    exactly like this package); ValueError says what is wrong with a bad address.
     """
     if not isinstance(text, str):
         raise ValueError(f"a server must be a 'host:port' string, got {type(text).__name__}")
-    s = text.strip()
-    if not s:
-        raise ValueError("empty server address")
-    if s.startswith("["):
-        close = s.find("]")
-        if close < 0 or s[close + 1 : close + 2] != ":":
-            raise ValueError(f"server {s!r} must look like '[v6addr]:port'")
-        host_text, port_text = s[1:close], s[close + 2 :]
-        try:
-            addr = ipaddress.IPv6Address(host_text)
-        except ValueError:
-            raise ValueError(f"server {s!r}: {host_text!r} is not an IPv6 address") from None
-        host = f"[{addr.compressed}]"
-    else:
-        if s.count(":") != 1:
-            hint = " (write IPv6 addresses as '[addr]:port')" if s.count(":") > 1 else ""
-            raise ValueError(f"server {s!r} must look like 'host:port'{hint}")
-        host_text, port_text = s.split(":")
-        try:
-            host = str(ipaddress.IPv4Address(host_text))
-        except ValueError:
-            if not _HOSTNAME_RE.match(host_text) or host_text.replace(".", "").isdigit():
-                raise ValueError(f"server {s!r}: {host_text!r} is not a valid host name") from None
-            host = host_text.lower().rstrip(".")
-    if not _PORT_RE.match(port_text) or not 1 <= int(port_text) <= 65535:
-        raise ValueError(f"server {s!r}: port must be an integer in 1..65535")
-    return f"{host}:{int(port_text)}"
+    return str(_native.canonical_server(text))
 
 
 def _check_servers(value: tuple[str, ...]) -> None:

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import socket
+import struct
+import subprocess
 import threading
 import time
 
 import numpy as np
 import pytest
+from memkv_procs import memkv_command
 
+from memkv_vllm import _native
 from memkv_vllm.client import MemKVClient, Status
-from memkv_vllm.config import MemKVConfig
+from memkv_vllm.config import MemKVConfig, parse_server
 
 KEY_HEX = "ab" * 32
 
@@ -106,12 +113,14 @@ def test_killed_server_turns_its_keys_into_misses_without_hanging(memkv_cluster2
     assert time.monotonic() - t0 < 15
     for s, lost, v, d in zip(st, owned_by_victim, vals, dst, strict=True):
         if lost:
-            assert s == Status.UNAVAILABLE
+            # Marked down (UNAVAILABLE), or refused when the backoff expired and it was retried.
+            assert s in (Status.UNAVAILABLE, Status.REFUSED)
         else:
             assert s == Status.OK and np.array_equal(v, d)
     assert any(owned_by_victim) and not all(owned_by_victim)
     t0 = time.monotonic()
-    assert c.exists(keys).count(Status.UNAVAILABLE) == sum(owned_by_victim)
+    st = c.exists(keys)
+    assert [s in (Status.UNAVAILABLE, Status.REFUSED) for s in st] == owned_by_victim
     assert time.monotonic() - t0 < 5, "a known-down server must answer fast (backoff)"
 
 
@@ -120,9 +129,9 @@ def test_auth_key_required_and_checked(memkv_server_factory):
     good = client_for(srv, auth_key=bytes.fromhex(KEY_HEX))
     assert good.put([b"secret"], [b"v"]) == [Status.OK]
     wrong = client_for(srv, auth_key=bytes.fromhex("cd" * 32))
-    assert wrong.exists([b"secret"]) == [Status.UNAVAILABLE]
+    assert wrong.exists([b"secret"]) == [Status.AUTH_FAILED]
     none = client_for(srv)
-    assert none.exists([b"secret"]) == [Status.UNAVAILABLE]
+    assert none.exists([b"secret"]) == [Status.AUTH_FAILED]
     assert good.exists([b"secret"]) == [Status.OK], "server must still serve after rejections"
     errors = srv.stats()["errors"]
     assert errors["auth_failed"] >= 1
@@ -187,7 +196,7 @@ def test_concurrent_clients_never_read_wrong_bytes(memkv_server_factory):
 
 
 def test_rdma_transport_is_refused_clearly(memkv_server):
-    with pytest.raises(ValueError, match="TCP transport only"):
+    with pytest.raises(ValueError, match="'rdma' is not available.*TCP transport only"):
         client_for(memkv_server, transport="rdma")
 
 
@@ -200,11 +209,11 @@ def test_env_config_reaches_the_client(memkv_server, monkeypatch):
     assert os.environ["MEMKV_SERVERS"] == memkv_server.address
 
 
-def test_frozen_server_times_out_into_misses_then_recovers(memkv_server):
+def test_frozen_server_times_out_then_recovers_logging_each_change_once(memkv_server, caplog):
     """A server that accepts but stops answering (SIGSTOP) costs one op timeout, not a hang;
-    once it answers again the client reconnects after its backoff."""
-    import signal
-
+    retries during its backoff periods stay quiet; once it answers again the client reconnects.
+    Going down (with the reason) and coming back are logged once each."""
+    caplog.set_level(logging.INFO, logger="memkv_client")
     c = client_for(memkv_server, op_timeout_s=1.0, connect_timeout_s=0.5)
     assert c.put([b"f"], [b"1"]) == [Status.OK]
     memkv_server.proc.send_signal(signal.SIGSTOP)
@@ -213,11 +222,172 @@ def test_frozen_server_times_out_into_misses_then_recovers(memkv_server):
         time.sleep(0.01)
     try:
         t0 = time.monotonic()
-        assert c.get_into([b"f"], [bytearray(1)]) == [Status.UNAVAILABLE]
-        assert time.monotonic() - t0 < 5
+        assert c.get_into([b"f"], [bytearray(1)]) == [Status.TIMEOUT]
+        assert time.monotonic() - t0 < 1.5
+        t_end = time.monotonic() + 2.0  # several backoff periods: retried, still down
+        while time.monotonic() < t_end:
+            assert c.exists([b"f"])[0] in (Status.TIMEOUT, Status.UNAVAILABLE)
     finally:
         memkv_server.proc.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + 15
     while c.exists([b"f"]) != [Status.OK]:
         assert time.monotonic() < deadline, "client never recovered"
-        time.sleep(0.2)
+        time.sleep(0.05)
+    msgs = [r.getMessage() for r in caplog.records if r.name.startswith("memkv_client")]
+    assert sum("server down" in m for m in msgs) == 1, msgs
+    assert sum("answers again" in m for m in msgs) == 1, msgs
+    assert "outcome=TIMEOUT" in next(m for m in msgs if "server down" in m)
+    assert c.health()[memkv_server.address]["up"] is True
+
+
+# --- honest outcomes, true deadlines (a server that trickles, refuses, or is not memkv) ---------
+
+
+def _frame(opcode: int, request_id: int, body: bytes, payload_len: int = 0) -> bytes:
+    """One memkv frame header (docs/protocol.md) followed by its body."""
+    return struct.pack("<2sBBIQIIQ", b"MK", 1, opcode, 0, request_id, len(body), 0,
+                       payload_len) + body
+
+
+class TricklingPeer(threading.Thread):
+    """A fake memkv server for one connection: answers HELLO, then answers the first request
+    with `reply(request_id)` (header and body at once) and trickles `trickle` bytes one per
+    50 ms until the client hangs up."""
+
+    def __init__(self, reply, trickle: int) -> None:
+        super().__init__(daemon=True)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.reply, self.trickle, self.sent = reply, trickle, 0
+        self.start()
+
+    def _read(self, conn: socket.socket, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = conn.recv(n - len(data))
+            assert chunk, "client hung up early"
+            data += chunk
+        return data
+
+    def run(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn, self.listener:
+            self._read(conn, 32)
+            conn.sendall(_frame(0x81, 1, struct.pack("<B32sQ", 0, bytes(32), 1 << 20)))
+            hdr = self._read(conn, 32)
+            request_id, body_len = struct.unpack_from("<QI", hdr, 8)
+            self._read(conn, body_len)
+            conn.sendall(self.reply(request_id))
+            try:
+                for _ in range(self.trickle):
+                    conn.sendall(b"\xab")
+                    self.sent += 1
+                    time.sleep(0.05)
+            except OSError:
+                pass  # the client closed the connection at its deadline
+
+
+def test_trickled_get_ends_at_the_deadline_and_leaves_unanswered_buffers_alone():
+    table = struct.pack("<IBQBQ", 2, Status.NOT_FOUND, 0, Status.OK, 100)
+    peer = TricklingPeer(lambda rid: _frame(0x86, rid, table, payload_len=100), trickle=100)
+    c = client_for(peer, op_timeout_s=1.0)
+    miss, slow = bytearray(b"\x07" * 100), bytearray(b"\x07" * 100)
+    t0 = time.monotonic()
+    st = c.get_into([b"a", b"b"], [miss, slow])
+    took = time.monotonic() - t0
+    assert st == [Status.TIMEOUT, Status.TIMEOUT]
+    assert took < 1.5, f"a 1 s deadline took {took:.1f} s against a trickling server"
+    assert miss == b"\x07" * 100, "a buffer whose key was not answered OK was written"
+    after = bytes(slow)
+    peer.join(10)
+    assert not peer.is_alive() and peer.sent < 40
+    assert slow == after, "caller memory written after the call returned"
+    h = c.health()[peer.address]
+    assert h["up"] is False and h["last_failure"] == "TIMEOUT"
+
+
+def test_each_failure_says_what_happened(memkv_server_factory, caplog):
+    caplog.set_level(logging.DEBUG, logger="memkv_client")
+    # Nothing listens: REFUSED, then UNAVAILABLE while marked down, with the reason kept.
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    c = MemKVClient(MemKVConfig(servers=(closed,)))
+    assert c.exists([b"k"]) == [Status.REFUSED]
+    assert c.exists([b"k"]) == [Status.UNAVAILABLE]
+    st = c.stats()[closed]
+    assert "error" in st and st["client"]["last_failure"] == "REFUSED"
+    assert "refused" in st["client"]["reason"].lower()
+    # Wrong key: AUTH_FAILED, and the server is fine for others.
+    srv = memkv_server_factory(auth_key=KEY_HEX)
+    wrong = client_for(srv, auth_key=bytes.fromhex("cd" * 32))
+    assert wrong.put([b"x"], [b"1"]) == [Status.AUTH_FAILED]
+    assert wrong.health()[srv.address]["last_failure"] == "AUTH_FAILED"
+    # Not a memkv server: PROTOCOL_ERROR.
+    peer = TricklingPeer(lambda rid: b"HTTP/1.1 400 Bad Request\r\n\r\n" + bytes(32), trickle=0)
+    assert client_for(peer).exists([b"k"]) == [Status.PROTOCOL_ERROR]
+    peer.join(10)
+    downs = [r for r in caplog.records if "server down" in r.getMessage()]
+    assert len(downs) == 3, [r.getMessage() for r in downs]  # one per server, not per call
+    assert all(r.levelno == logging.WARNING for r in downs)
+
+
+def test_batches_beyond_the_frame_limits_are_split(memkv_server):
+    c = client_for(memkv_server, connections_per_server=1)  # the whole batch on one connection
+    keys = [b"split/%d" % i for i in range(70_000)]  # more keys than one frame carries
+    assert set(c.exists(keys)) == {Status.NOT_FOUND}
+    assert c.health()[memkv_server.address]["up"] is True
+
+
+def test_status_numbers_match_the_native_client():
+    assert dict(_native.statuses()) == {s.name: s.value for s in Status}
+
+
+def test_native_client_places_keys_like_the_config_whatever_the_spelling(memkv_cluster2):
+    a, b = (s.port for s in memkv_cluster2)
+    canon = (f"127.0.0.1:{a}", f"localhost:{b}")
+    py = MemKVClient(MemKVConfig(servers=canon))
+    raw = _native.Client([f" 127.0.0.1:{a}\t", f"LocalHost.:{b}"])
+    assert raw.servers() == list(canon)
+    assert [parse_server(s) for s in (f" 127.0.0.1:{a}\t", f"LocalHost.:{b}")] == list(canon)
+    for i in range(2000):
+        k = b"place/%d" % i
+        assert canon[raw.server_of(k)] == py.server_of(k)
+
+
+def test_transport_auto_runs_tcp_and_says_so(memkv_server, caplog):
+    caplog.set_level(logging.INFO, logger="memkv_client")
+    c = client_for(memkv_server, transport="auto", rdma_devices=("mlx5_0",))
+    assert c.put([b"auto"], [b"1"]) == [Status.OK]
+    said = [r.getMessage() for r in caplog.records if "no RDMA transport" in r.getMessage()]
+    assert len(said) == 1 and "using TCP" in said[0]
+
+
+def test_bench_against_a_too_small_server_fails_clearly():
+    out = subprocess.run(
+        memkv_command() + ["bench", "--memory", "8M", "--sizes", "4M", "--threads", "2",
+                           "--keys", "4", "--volume", "16M", "--repeat", "1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "exceeds the servers' memory" in out.stderr
+    assert "panic" not in (out.stdout + out.stderr).lower()
+    assert "Traceback" not in out.stderr
+
+
+def test_odd_numbers_from_python_raise_value_errors_not_panics(memkv_server):
+    c = client_for(memkv_server)
+    op = c.submit_exists([b"k"])
+    assert op.wait(float("inf")) == [Status.NOT_FOUND]  # inf = no limit
+    assert op.wait(-1) == [Status.NOT_FOUND]  # negative = poll
+    with pytest.raises(ValueError, match="NaN"):
+        op.wait(float("nan"))
+    with pytest.raises(ValueError, match="seconds"):
+        _native.Client([memkv_server.address], None, 2, 1.0, 1e300)
+
+
+def test_cli_rejects_a_bad_timeout_without_a_panic():
+    out = subprocess.run(memkv_command() + ["ping", "--timeout=-1", "--servers", "127.0.0.1:1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "--timeout -1 is not a positive number of seconds" in out.stderr
+    assert "panic" not in out.stderr.lower()

@@ -232,43 +232,98 @@ fn memkv_point(
     w: &Workload,
     volume: u64,
     put: bool,
-) -> f64 {
+) -> Result<f64, String> {
     let per_request = w.batch * size;
     let requests = ((volume / per_request as u64) as usize / threads).max(1);
     let bufs: Vec<Vec<Vec<u8>>> = (0..threads)
         .map(|th| (0..w.batch).map(|_| touched(size, th as u8)).collect())
         .collect();
     let t = Instant::now();
-    std::thread::scope(|sc| {
-        for (th, mut bufs) in bufs.into_iter().enumerate() {
-            sc.spawn(move || {
-                // Built once: the same buffers serve every request of this thread.
-                let b: Vec<Buf> = bufs.iter_mut().map(|v| Buf::of_mut(v)).collect();
-                for i in 0..requests {
-                    let keys: Vec<Vec<u8>> = (0..w.batch)
-                        .map(|j| {
-                            let k = (i * w.batch + j) % w.keys;
-                            format!("bench/m/{size}/{th}/{k}").into_bytes()
-                        })
-                        .collect();
-                    // SAFETY: the buffers outlive the call, are distinct and this thread's alone.
-                    let st = unsafe {
-                        if put {
-                            client.put(&keys, &b)
-                        } else {
-                            client.get(&keys, &b)
+    let failed: Vec<Vec<Status>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = bufs
+            .into_iter()
+            .enumerate()
+            .map(|(th, mut bufs)| {
+                sc.spawn(move || -> Option<Vec<Status>> {
+                    // Built once: the same buffers serve every request of this thread.
+                    let b: Vec<Buf> = bufs.iter_mut().map(|v| Buf::of_mut(v)).collect();
+                    for i in 0..requests {
+                        let keys: Vec<Vec<u8>> = (0..w.batch)
+                            .map(|j| {
+                                let k = (i * w.batch + j) % w.keys;
+                                format!("bench/m/{size}/{th}/{k}").into_bytes()
+                            })
+                            .collect();
+                        // SAFETY: the buffers outlive the call, are distinct and this thread's alone.
+                        let st = unsafe {
+                            if put {
+                                client.put(&keys, &b)
+                            } else {
+                                client.get(&keys, &b)
+                            }
+                        };
+                        if st.iter().any(|s| *s != Status::Ok) {
+                            return Some(st);
                         }
-                    };
-                    assert!(
-                        st.iter().all(|s| *s == Status::Ok),
-                        "bench {} failed: {st:?}",
-                        if put { "put" } else { "get" }
-                    );
-                }
-            });
-        }
+                    }
+                    None
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .filter_map(|h| h.join().expect("bench thread panicked"))
+            .collect()
     });
-    gbps((requests * threads * per_request) as u64, t.elapsed())
+    let elapsed = t.elapsed();
+    if let Some(st) = failed.first() {
+        return Err(point_failed(size, threads, w, put, st));
+    }
+    Ok(gbps((requests * threads * per_request) as u64, elapsed))
+}
+
+/// Why a memkv measurement could not complete, with what to change.
+fn point_failed(size: usize, threads: usize, w: &Workload, put: bool, st: &[Status]) -> String {
+    let bad = st.iter().find(|s| **s != Status::Ok).copied();
+    let set = working_set(size, threads, w);
+    let hint = match bad {
+        Some(Status::NotFound) => format!(
+            "values were evicted before they were read back: the server holds less than this \
+             point's working set of {threads} thread(s) x {} keys x {} = {}",
+            w.keys,
+            size_label(size),
+            size_label(set as usize)
+        ),
+        Some(Status::TooLarge) => format!(
+            "the server accepts no value of {} (a value must fit in one of its lanes)",
+            size_label(size)
+        ),
+        Some(Status::NoSpace) => "the server has no unpinned memory to store into".into(),
+        _ => "the server did not answer as expected; see `memkv stats`".into(),
+    };
+    format!(
+        "memkv {} of {} values failed ({}): {hint}. Give the server more memory (--memory for \
+         the in-process one) or use fewer --threads, fewer --keys or smaller --sizes",
+        if put { "put" } else { "get" },
+        size_label(size),
+        bad.map_or("no status", |s| s.name())
+    )
+}
+
+/// Bytes one point keeps stored: every thread's keys at this size.
+fn working_set(size: usize, threads: usize, w: &Workload) -> u64 {
+    (threads * w.keys) as u64 * size as u64
+}
+
+/// Total value memory of the servers, from their stats (None if one does not say).
+fn servers_capacity(client: &Client) -> Option<u64> {
+    client
+        .stats()
+        .into_iter()
+        .map(|(_, r)| {
+            let v: serde_json::Value = serde_json::from_str(&r.ok()?).ok()?;
+            v.get("memory_capacity_bytes")?.as_u64()
+        })
+        .sum()
 }
 
 /// Values from this size on are held to the target of 90% of the TCP ceiling.
@@ -305,7 +360,7 @@ impl Summary {
 }
 
 /// Median latency of a batched EXISTS of 1,000 keys.
-fn exists_latency(client: &Arc<Client>) -> Duration {
+fn exists_latency(client: &Arc<Client>) -> Result<Duration, String> {
     let keys: Vec<Vec<u8>> = (0..1000)
         .map(|i| format!("bench/exists/{i:06}").into_bytes())
         .collect();
@@ -318,12 +373,17 @@ fn exists_latency(client: &Arc<Client>) -> Duration {
             let t = Instant::now();
             let r = client.exists(&keys, 0);
             let d = t.elapsed();
-            assert!(r.iter().all(|(s, _)| *s == Status::Ok));
-            d
+            match r.iter().find(|(s, _)| *s != Status::Ok) {
+                Some((s, _)) => Err(format!(
+                    "batched EXISTS of the 1,000 keys just stored answered {s}; the server \
+                     may be too small to keep them"
+                )),
+                None => Ok(d),
+            }
         })
-        .collect();
+        .collect::<Result<_, _>>()?;
     lat.sort();
-    lat[lat.len() / 2]
+    Ok(lat[lat.len() / 2])
 }
 
 struct Redis {
@@ -473,6 +533,21 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         keys: a.keys.max(a.batch) as usize,
         batch: a.batch as usize,
     };
+    // Refuse up front what cannot be measured: a working set the servers cannot hold.
+    let largest = sizes.iter().copied().max().unwrap_or(0);
+    let set = working_set(largest, max_threads, &w);
+    if let Some(cap) = servers_capacity(&client).filter(|&cap| set > cap) {
+        return Err(format!(
+            "the bench's largest working set ({max_threads} thread(s) x {} keys x {} = {}) \
+             exceeds the servers' memory ({}): values would be evicted before they are read \
+             back. Give the server more memory (--memory for the in-process one) or use fewer \
+             --threads, fewer --keys or smaller --sizes",
+            w.keys,
+            size_label(largest),
+            size_label(set as usize),
+            size_label(cap as usize)
+        ));
+    }
     println!(
         "memkv bench: servers {servers}, {cpus} CPUs, {} per point, {} keys per thread, {} \
          value(s) per memkv request, best of {rep} rounds, GB/s = 1e9 B/s",
@@ -529,8 +604,8 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                 let one = tcp(1)?;
                 let many = if th == 1 { one } else { tcp(th)? };
                 let systems = [
-                    memkv_point(&client, size, th, &w, volume, true),
-                    memkv_point(&client, size, th, &w, volume, false),
+                    memkv_point(&client, size, th, &w, volume, true)?,
+                    memkv_point(&client, size, th, &w, volume, false)?,
                     match &redis {
                         Some(r) => redis_point(&r.url, size, th, w.keys, volume, true)?,
                         None => 0.0,
@@ -587,7 +662,7 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
     if let Some(s) = summary.line() {
         println!("{s}");
     }
-    let lat = exists_latency(&client);
+    let lat = exists_latency(&client)?;
     println!(
         "batched EXISTS of 1,000 keys: median {:.3} ms",
         lat.as_secs_f64() * 1e3

@@ -82,13 +82,23 @@ impl Conn {
             .filter(|s| !s.is_empty())
             .collect();
         let auth_key = self.auth_key.as_deref().map(parse_auth_key).transpose()?;
+        let timeout = Duration::try_from_secs_f64(self.timeout)
+            .ok()
+            .filter(|t| !t.is_zero())
+            .ok_or_else(|| {
+                format!(
+                    "--timeout {} is not a positive number of seconds",
+                    self.timeout
+                )
+            })?;
         Client::new(ClientConfig {
             servers,
             auth_key,
             connections_per_server: conns,
-            connect_timeout: Duration::from_secs_f64(self.timeout.min(5.0)),
-            op_timeout: Duration::from_secs_f64(self.timeout),
+            connect_timeout: timeout.min(Duration::from_secs(5)),
+            op_timeout: timeout,
             io_threads,
+            ..ClientConfig::default()
         })
     }
 }

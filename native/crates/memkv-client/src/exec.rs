@@ -13,6 +13,9 @@ use crate::Status;
 pub enum OpResult {
     Statuses(Vec<Status>),
     StatusLens(Vec<(Status, u64)>),
+    /// The operation panicked (a bug); the message says where. Waiters get this instead of
+    /// waiting forever for a result that will never come.
+    Panicked(String),
 }
 
 #[derive(Default)]
@@ -83,11 +86,43 @@ impl Executor {
     pub fn submit(&self, f: impl FnOnce() -> OpResult + Send + 'static) -> Op {
         let op = Op(Arc::default());
         let done = op.clone();
-        let job: Job = Box::new(move || done.complete(f()));
+        let job: Job = Box::new(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+                .unwrap_or_else(|p| OpResult::Panicked(panic_message(&*p)));
+            done.complete(r)
+        });
         if let Err(e) = self.tx.send(job) {
             // Only possible if the threads are gone; run inline rather than never completing.
             (e.into_inner())();
         }
         op
+    }
+}
+
+/// The text of a panic payload (`panic!` with a literal or a formatted message).
+pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panicking_job_completes_its_op() {
+        let ex = Executor::new(1);
+        let op = ex.submit(|| panic!("boom {}", 7));
+        match op.wait(Some(Duration::from_secs(10))) {
+            Some(OpResult::Panicked(m)) => assert_eq!(m, "boom 7"),
+            other => panic!("{other:?}"),
+        }
+        let ok = ex.submit(|| OpResult::Statuses(vec![Status::Ok]));
+        assert!(matches!(
+            ok.wait(Some(Duration::from_secs(10))),
+            Some(OpResult::Statuses(_))
+        ));
     }
 }

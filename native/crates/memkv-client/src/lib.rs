@@ -1,32 +1,61 @@
 //! memkv client core: places keys on servers (rendezvous hashing), fans batches out per server
 //! in parallel over pooled connections, and moves values between caller memory and sockets.
 //!
-//! Failure policy: a server that is down, slow or misbehaving turns its keys into
-//! `Status::Unavailable` (a miss for EXISTS/GET, a dropped store for PUT). Nothing here panics on
-//! server input or blocks past the op timeout.
+//! Failure policy: nothing here panics on server input or runs past the operation's deadline
+//! (`op_timeout`, one deadline for the whole call however the servers trickle their bytes). A key
+//! whose server failed gets a `Status` saying how: `Timeout`, `Refused`, `AuthFailed`,
+//! `ProtocolError`, or `Unavailable` (marked down after an earlier failure, or the connection
+//! broke). Only such transport failures mark a server down; per-key statuses and a frame the
+//! server refuses as too large do not.
+//!
+//! PUT outcomes: `Ok` means stored. `Timeout`, `Unavailable` and `ProtocolError` mean unknown:
+//! the request may have reached the server before the failure, so the value may be stored (a
+//! later GET returns exactly these bytes or a miss, never other bytes). Every other status means
+//! not stored.
 
 pub mod conn;
 pub mod exec;
 pub mod placement;
 pub mod pool;
+pub mod status;
+pub mod transport;
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Once};
+use std::time::{Duration, Instant};
 
 pub use conn::Buf;
+use conn::{Conn, ConnError};
 pub use exec::{Executor, Op, OpResult};
-pub use memkv_proto::Status;
+pub use pool::{Failure, Health};
 use pool::{Pool, PoolConfig};
+pub use status::Status;
+use transport::{Tcp, Transport};
+
+/// Which transport to move bytes over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    #[default]
+    Tcp,
+    /// RDMA only; refused at client creation until a build has an RDMA transport.
+    Rdma,
+    /// RDMA where a usable device exists, else TCP (always TCP in this build).
+    Auto,
+}
 
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
+    /// `host:port` of every server; put in canonical form (`placement::canonical_server`).
     pub servers: Vec<String>,
     pub auth_key: Option<Vec<u8>>,
     pub connections_per_server: usize,
     pub connect_timeout: Duration,
+    /// Deadline of one whole operation (all its servers, frames and bytes).
     pub op_timeout: Duration,
     /// Threads running submitted (asynchronous) operations.
     pub io_threads: usize,
+    pub transport: TransportChoice,
+    /// RDMA devices to use (empty = all); only meaningful with an RDMA transport.
+    pub rdma_devices: Vec<String>,
 }
 
 impl Default for ClientConfig {
@@ -38,12 +67,56 @@ impl Default for ClientConfig {
             connect_timeout: Duration::from_secs(1),
             op_timeout: Duration::from_secs(10),
             io_threads: 8,
+            transport: TransportChoice::Tcp,
+            rdma_devices: Vec::new(),
         }
     }
 }
 
 /// Per-server answer of `ping` / `stats`.
 pub type PerServer<T> = Vec<(String, Result<T, String>)>;
+
+/// Request body bytes per frame besides the keys (count, and EXISTS' lease field).
+const FRAME_FIXED: usize = 8;
+
+/// The kind of batch frame, for the body bytes each key adds to it.
+#[derive(Clone, Copy)]
+enum Frame {
+    /// EXISTS, DELETE: key length and key.
+    Keys,
+    /// PUT, GET: key length, key and value length.
+    KeyLens,
+}
+
+impl Frame {
+    fn key_bytes(self, key: &[u8]) -> usize {
+        2 + key.len()
+            + match self {
+                Frame::Keys => 0,
+                Frame::KeyLens => 8,
+            }
+    }
+}
+
+/// Splits `idx` into runs that each fit one frame: at most `MAX_BATCH` keys and a control body
+/// of at most `MAX_BODY_LEN` bytes, so the server never has to refuse a batch as too large.
+fn frames<'a>(idx: &'a [usize], keys: &[Vec<u8>], kind: Frame) -> Vec<&'a [usize]> {
+    let max_body = memkv_proto::MAX_BODY_LEN as usize - FRAME_FIXED;
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (n, &i) in idx.iter().enumerate() {
+        let b = kind.key_bytes(&keys[i]);
+        if n > start && (n - start == memkv_proto::MAX_BATCH || bytes + b > max_body) {
+            out.push(&idx[start..n]);
+            (start, bytes) = (n, 0);
+        }
+        bytes += b;
+    }
+    if start < idx.len() {
+        out.push(&idx[start..]);
+    }
+    out
+}
 
 pub struct Client {
     pools: Vec<Pool>,
@@ -53,24 +126,50 @@ pub struct Client {
 }
 
 impl Client {
-    pub fn new(cfg: ClientConfig) -> Result<Arc<Client>, String> {
+    pub fn new(mut cfg: ClientConfig) -> Result<Arc<Client>, String> {
         if cfg.servers.is_empty() {
             return Err("no memkv servers configured".into());
         }
+        let mut ids: Vec<String> = Vec::with_capacity(cfg.servers.len());
+        for s in &cfg.servers {
+            let c = placement::canonical_server(s)?;
+            if ids.contains(&c) {
+                return Err(format!("server '{c}' is listed twice"));
+            }
+            ids.push(c);
+        }
+        cfg.servers = ids.clone();
+        let transport: Arc<dyn Transport> = match cfg.transport {
+            TransportChoice::Tcp => Arc::new(Tcp),
+            TransportChoice::Rdma => {
+                return Err(
+                    "transport 'rdma' is not available: this build of memkv has the TCP \
+                     transport only; use 'tcp', or 'auto' to use RDMA once a build provides it"
+                        .into(),
+                )
+            }
+            TransportChoice::Auto => {
+                static SAID: Once = Once::new();
+                SAID.call_once(|| {
+                    tracing::info!(rdma_devices = ?cfg.rdma_devices,
+                        "memkv transport 'auto': this build has no RDMA transport; using TCP");
+                });
+                Arc::new(Tcp)
+            }
+        };
         let pc = Arc::new(PoolConfig {
             auth_key: cfg.auth_key.clone(),
             max_connections: cfg.connections_per_server.max(1),
             connect_timeout: cfg.connect_timeout,
-            op_timeout: cfg.op_timeout,
+            transport,
         });
-        let pools = cfg
-            .servers
+        let pools = ids
             .iter()
             .map(|s| Pool::new(s.clone(), pc.clone()))
             .collect();
         Ok(Arc::new(Client {
             pools,
-            ids: cfg.servers.clone(),
+            ids,
             exec: Executor::new(cfg.io_threads.max(1)),
             cfg,
         }))
@@ -85,31 +184,42 @@ impl Client {
         placement::rendezvous(key, &self.ids)
     }
 
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.cfg.op_timeout
+    }
+
     pub fn exists(&self, keys: &[Vec<u8>], lease_ms: u32) -> Vec<(Status, u64)> {
-        let mut out = vec![(Status::Unavailable, 0); keys.len()];
-        self.fan_out(keys, |pool, idx| {
-            let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_slice()).collect();
-            pool.with_conn(|c| c.exists(&ks, lease_ms)).ok()
-        })
-        .into_iter()
-        .for_each(|(idx, r)| scatter(&mut out, &idx, r, (Status::Unavailable, 0)));
-        mark_invalid(keys, &mut out, (Status::InvalidKey, 0));
+        let mut out = vec![(Status::InvalidKey, 0); keys.len()];
+        self.fan_out(
+            keys,
+            Frame::Keys,
+            &mut out,
+            |s| (s, 0),
+            |c, idx| {
+                let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_slice()).collect();
+                c.exists(&ks, lease_ms)
+            },
+        );
         out
     }
 
     pub fn delete(&self, keys: &[Vec<u8>]) -> Vec<Status> {
-        let mut out = vec![Status::Unavailable; keys.len()];
-        self.fan_out(keys, |pool, idx| {
-            let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_slice()).collect();
-            pool.with_conn(|c| c.delete(&ks)).ok()
-        })
-        .into_iter()
-        .for_each(|(idx, r)| scatter(&mut out, &idx, r, Status::Unavailable));
-        mark_invalid(keys, &mut out, Status::InvalidKey);
+        let mut out = vec![Status::InvalidKey; keys.len()];
+        self.fan_out(
+            keys,
+            Frame::Keys,
+            &mut out,
+            |s| s,
+            |c, idx| {
+                let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_slice()).collect();
+                c.delete(&ks)
+            },
+        );
         out
     }
 
     /// Stores each key's bytes from caller memory. Values become visible atomically per key.
+    /// See the crate documentation for what a failed PUT's status says about the value.
     ///
     /// # Safety
     /// Every `Buf` must stay valid for reads until this returns.
@@ -117,7 +227,11 @@ impl Client {
         self.transfer(keys, bufs, true)
     }
 
-    /// Reads each key's value into caller memory; a buffer is written only if its status is Ok.
+    /// Reads each key's value into caller memory. A buffer is written only after the server
+    /// answered Ok for its key with exactly its length; if the transfer then fails part-way
+    /// (`Timeout`, `Unavailable`, `ProtocolError`), that key's buffer may hold part of the value.
+    /// Buffers of keys with any other status keep their bytes, and no buffer is written after
+    /// this returns.
     ///
     /// # Safety
     /// Every `Buf` must stay valid for writes, and not be accessed by anyone else, until this
@@ -128,10 +242,14 @@ impl Client {
 
     fn transfer(&self, keys: &[Vec<u8>], bufs: &[Buf], put: bool) -> Vec<Status> {
         assert_eq!(keys.len(), bufs.len(), "one buffer per key");
-        let mut out = vec![Status::Unavailable; keys.len()];
-        // Values bigger than a server accepts are refused here rather than sent and discarded.
-        let results = self.fan_out(keys, |pool, idx| {
-            pool.with_conn(|c| {
+        let mut out = vec![Status::InvalidKey; keys.len()];
+        self.fan_out(
+            keys,
+            Frame::KeyLens,
+            &mut out,
+            |s| s,
+            |c, idx| {
+                // Values bigger than a server accepts are refused here rather than sent and discarded.
                 let max = c.max_value_len as usize;
                 let (ok, too_big): (Vec<usize>, Vec<usize>) =
                     idx.iter().partition(|&&i| !put || bufs[i].len <= max);
@@ -147,24 +265,20 @@ impl Client {
                 let mut res: Vec<(usize, Status)> = ok.into_iter().zip(st).collect();
                 res.extend(too_big.into_iter().map(|i| (i, Status::TooLarge)));
                 res.sort_unstable_by_key(|(i, _)| *i);
-                Ok(res.into_iter().map(|(_, s)| s).collect::<Vec<_>>())
-            })
-            .ok()
-        });
-        for (idx, r) in results {
-            scatter(&mut out, &idx, r, Status::Unavailable);
-        }
-        mark_invalid(keys, &mut out, Status::InvalidKey);
+                Ok(res.into_iter().map(|(_, s)| s).collect())
+            },
+        );
         out
     }
 
     pub fn ping(&self) -> PerServer<Duration> {
+        let deadline = self.deadline();
         self.pools
             .iter()
             .map(|p| {
-                let t = std::time::Instant::now();
+                let t = Instant::now();
                 let r = p
-                    .with_conn(|c| c.ping())
+                    .with_conn(deadline, |c| c.ping())
                     .map(|_| t.elapsed())
                     .map_err(|e| e.to_string());
                 (p.addr.clone(), r)
@@ -173,24 +287,38 @@ impl Client {
     }
 
     pub fn stats(&self) -> PerServer<String> {
+        let deadline = self.deadline();
         self.pools
             .iter()
             .map(|p| {
                 (
                     p.addr.clone(),
-                    p.with_conn(|c| c.stats()).map_err(|e| e.to_string()),
+                    p.with_conn(deadline, |c| c.stats())
+                        .map_err(|e| e.to_string()),
                 )
             })
             .collect()
     }
 
+    /// Each server's state as this client sees it: up or down, and the last failure's reason.
+    pub fn health(&self) -> Vec<Health> {
+        self.pools.iter().map(Pool::health).collect()
+    }
+
     /// Runs `f` for each (server, key indices) group in parallel, splitting a server's group over
-    /// its connections when it has several. Invalid keys never reach a server.
-    fn fan_out<T: Send>(
+    /// its connections when it has several and each connection's share into frames that fit the
+    /// protocol's limits, all under one deadline. Writes each key's result into `out`; keys of a
+    /// failed server or connection get `fail(status of the failure)`. Invalid keys never reach a
+    /// server (they keep what `out` held).
+    fn fan_out<T: Copy + Send>(
         &self,
         keys: &[Vec<u8>],
-        f: impl Fn(&Pool, &[usize]) -> Option<Vec<T>> + Sync,
-    ) -> Vec<(Vec<usize>, Option<Vec<T>>)> {
+        kind: Frame,
+        out: &mut [T],
+        fail: impl Fn(Status) -> T + Sync,
+        f: impl Fn(&mut Conn, &[usize]) -> Result<Vec<T>, ConnError> + Sync,
+    ) {
+        let deadline = self.deadline();
         let mut groups: Vec<Vec<usize>> = vec![Vec::new(); self.pools.len()];
         for (i, k) in keys.iter().enumerate() {
             if memkv_proto::key_ok(k) {
@@ -209,25 +337,61 @@ impl Client {
             let chunk = g.len().div_ceil(parts);
             tasks.extend(g.chunks(chunk).map(|c| (s, c.to_vec())));
         }
-        let run = |(s, idx): (usize, Vec<usize>)| {
-            let r = f(&self.pools[s], &idx).filter(|v| v.len() == idx.len());
-            (idx, r)
+        let run = |(s, idx): (usize, Vec<usize>)| -> (Vec<usize>, Vec<T>) {
+            let pool = &self.pools[s];
+            let mut res = Vec::with_capacity(idx.len());
+            match pool.acquire(deadline) {
+                Err(e) => res.resize(idx.len(), fail(e.status())),
+                Ok(mut conn) => {
+                    let mut broken: Option<Status> = None;
+                    for fr in frames(&idx, keys, kind) {
+                        if let Some(st) = broken {
+                            res.resize(res.len() + fr.len(), fail(st));
+                            continue;
+                        }
+                        let r = f(&mut conn, fr).and_then(|v| {
+                            if v.len() == fr.len() {
+                                Ok(v)
+                            } else {
+                                Err(memkv_proto::ProtoError::Malformed("reply count").into())
+                            }
+                        });
+                        match r {
+                            Ok(v) => res.extend(v),
+                            Err(e) => {
+                                let st = e.status();
+                                pool.fail(e);
+                                broken = Some(st);
+                                res.resize(res.len() + fr.len(), fail(st));
+                            }
+                        }
+                    }
+                    if broken.is_none() {
+                        pool.release(conn);
+                    }
+                }
+            }
+            (idx, res)
         };
-        if tasks.len() <= 1 {
-            return tasks.into_iter().map(run).collect();
+        let results: Vec<(Vec<usize>, Vec<T>)> = if tasks.len() <= 1 {
+            tasks.into_iter().map(run).collect()
+        } else {
+            std::thread::scope(|sc| {
+                let mut it = tasks.into_iter();
+                let first = it.next().expect("two or more tasks");
+                let handles: Vec<_> = it.map(|t| sc.spawn(|| run(t))).collect();
+                let mut res = vec![run(first)];
+                res.extend(
+                    handles
+                        .into_iter()
+                        .map(|h| h.join().expect("fan-out task panicked")),
+                );
+                res
+            })
+        };
+        for (idx, r) in results {
+            idx.iter().zip(r).for_each(|(&i, s)| out[i] = s);
         }
-        std::thread::scope(|sc| {
-            let mut it = tasks.into_iter();
-            let first = it.next().unwrap();
-            let handles: Vec<_> = it.map(|t| sc.spawn(move || run(t))).collect();
-            let mut res = vec![run(first)];
-            res.extend(
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("fan-out task panicked")),
-            );
-            res
-        })
     }
 
     /// Runs `job` on the I/O threads; the returned Op completes with its result.
@@ -237,19 +401,27 @@ impl Client {
     }
 }
 
-/// Writes a group's results back to the caller's order; keys without a result get `missing`.
-fn scatter<T: Copy>(out: &mut [T], idx: &[usize], r: Option<Vec<T>>, missing: T) {
-    match r {
-        Some(v) => idx.iter().zip(v).for_each(|(&i, s)| out[i] = s),
-        None => idx.iter().for_each(|&i| out[i] = missing),
-    }
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// Invalid keys (empty or over the maximum) answer `InvalidKey` rather than Unavailable.
-fn mark_invalid<T: Copy>(keys: &[Vec<u8>], out: &mut [T], invalid: T) {
-    for (k, o) in keys.iter().zip(out.iter_mut()) {
-        if !memkv_proto::key_ok(k) {
-            *o = invalid;
+    #[test]
+    fn frames_respect_key_count_and_body_limits() {
+        let small: Vec<Vec<u8>> = (0..150_000u32).map(|i| i.to_le_bytes().to_vec()).collect();
+        let idx: Vec<usize> = (0..small.len()).collect();
+        let f = frames(&idx, &small, Frame::Keys);
+        assert_eq!(
+            f.iter().map(|f| f.len()).collect::<Vec<_>>(),
+            [65_536, 65_536, 18_928]
+        );
+        let big: Vec<Vec<u8>> = (0..40_000u32).map(|_| vec![7u8; 1000]).collect();
+        let idx: Vec<usize> = (0..big.len()).collect();
+        let f = frames(&idx, &big, Frame::KeyLens);
+        assert!(f.len() == 3 && f.concat() == idx);
+        for fr in f {
+            let body: usize = FRAME_FIXED + fr.iter().map(|&i| 2 + big[i].len() + 8).sum::<usize>();
+            assert!(body <= memkv_proto::MAX_BODY_LEN as usize, "{body}");
         }
+        assert!(frames(&[], &big, Frame::Keys).is_empty());
     }
 }

@@ -1,11 +1,14 @@
-//! Per-server connection pools with a down-marker: after a failure the server is skipped (its
-//! keys answer Unavailable at once) until a backoff expires, so a dead server costs one timeout,
-//! not one per request.
+//! Per-server connection pools with a health state. After a transport failure the server is
+//! marked down: its keys answer `Unavailable` at once until a backoff expires, so a dead server
+//! costs one timeout, not one per request. The state and its reason are logged once per change
+//! (up to down with the reason, down to up) and reported by `health()`.
 
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::conn::{Conn, ConnError};
+use crate::transport::Transport;
+use crate::Status;
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -14,23 +17,46 @@ pub struct PoolConfig {
     pub auth_key: Option<Vec<u8>>,
     pub max_connections: usize,
     pub connect_timeout: Duration,
-    pub op_timeout: Duration,
+    pub transport: Arc<dyn Transport>,
+}
+
+/// Why a server is (or last was) down.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub status: Status,
+    pub reason: String,
+    pub at: Instant,
+}
+
+/// A server's state as the client sees it.
+#[derive(Debug, Clone)]
+pub struct Health {
+    pub addr: String,
+    /// False from a transport failure until a request succeeds again.
+    pub up: bool,
+    /// The failure that marked it down (while down), or the last one (once up again).
+    pub last_failure: Option<Failure>,
 }
 
 struct State {
     idle: Vec<Conn>,
     open: usize,
+    up: bool,
     down_until: Option<Instant>,
     backoff: Duration,
+    /// When the server last went from up to down.
+    down_since: Option<Instant>,
+    last_failure: Option<Failure>,
 }
 
 pub struct Pool {
     pub addr: String,
-    cfg: std::sync::Arc<PoolConfig>,
+    cfg: Arc<PoolConfig>,
     state: Mutex<State>,
     freed: Condvar,
 }
 
+/// Why no request could be run on a server.
 #[derive(Debug, thiserror::Error)]
 pub enum PoolError {
     #[error("{addr} is marked down for {left_ms} ms more after: {why}")]
@@ -39,60 +65,59 @@ pub enum PoolError {
         left_ms: u64,
         why: String,
     },
-    #[error("{addr}: no connection free within the op timeout")]
+    #[error("{addr}: no connection free before the operation's deadline")]
     Busy { addr: String },
     #[error("{addr}: {err}")]
     Conn { addr: String, err: ConnError },
 }
 
+impl PoolError {
+    pub fn status(&self) -> Status {
+        match self {
+            PoolError::Down { .. } => Status::Unavailable,
+            PoolError::Busy { .. } => Status::Timeout,
+            PoolError::Conn { err, .. } => err.status(),
+        }
+    }
+}
+
 impl Pool {
-    pub fn new(addr: String, cfg: std::sync::Arc<PoolConfig>) -> Pool {
+    pub fn new(addr: String, cfg: Arc<PoolConfig>) -> Pool {
         Pool {
             addr,
             cfg,
             state: Mutex::new(State {
                 idle: Vec::new(),
                 open: 0,
+                up: true,
                 down_until: None,
                 backoff: BACKOFF_MIN,
+                down_since: None,
+                last_failure: None,
             }),
             freed: Condvar::new(),
         }
     }
 
-    /// Runs `f` on a pooled connection. On error the connection is closed and the server marked
-    /// down; on success the connection returns to the pool.
+    /// Runs `f` on a pooled connection bounded by `deadline`. On error the connection is closed,
+    /// and the server is marked down if the error says the server or the path to it failed.
     pub fn with_conn<T>(
         &self,
+        deadline: Instant,
         f: impl FnOnce(&mut Conn) -> Result<T, ConnError>,
     ) -> Result<T, PoolError> {
-        let mut conn = self.acquire()?;
+        let mut conn = self.acquire(deadline)?;
         match f(&mut conn) {
             Ok(v) => {
-                self.release(Some(conn));
+                self.release(conn);
                 Ok(v)
             }
-            Err(err) => {
-                self.release(None);
-                self.mark_down(&err.to_string());
-                Err(PoolError::Conn {
-                    addr: self.addr.clone(),
-                    err,
-                })
-            }
+            Err(err) => Err(self.fail(err)),
         }
     }
 
-    pub fn is_down(&self) -> bool {
-        self.state
-            .lock()
-            .unwrap()
-            .down_until
-            .is_some_and(|t| Instant::now() < t)
-    }
-
-    fn acquire(&self) -> Result<Conn, PoolError> {
-        let deadline = Instant::now() + self.cfg.op_timeout;
+    /// A connection bounded by `deadline`: an idle one, a new one, or one freed before then.
+    pub fn acquire(&self, deadline: Instant) -> Result<Conn, PoolError> {
         let mut st = self.state.lock().unwrap();
         loop {
             if let Some(t) = st.down_until {
@@ -101,30 +126,33 @@ impl Pool {
                     return Err(PoolError::Down {
                         addr: self.addr.clone(),
                         left_ms: (t - now).as_millis() as u64,
-                        why: "earlier failure".into(),
+                        why: st
+                            .last_failure
+                            .as_ref()
+                            .map_or_else(String::new, |f| f.reason.clone()),
                     });
                 }
             }
-            if let Some(c) = st.idle.pop() {
+            if let Some(mut c) = st.idle.pop() {
+                c.set_deadline(deadline);
                 return Ok(c);
             }
             if st.open < self.cfg.max_connections {
                 st.open += 1;
                 drop(st);
-                let r = Conn::connect(
+                let connect_by = deadline.min(Instant::now() + self.cfg.connect_timeout);
+                return match Conn::connect(
+                    &*self.cfg.transport,
                     &self.addr,
                     self.cfg.auth_key.as_deref(),
-                    self.cfg.connect_timeout,
-                    self.cfg.op_timeout,
-                );
-                return r.map_err(|err| {
-                    self.release(None);
-                    self.mark_down(&err.to_string());
-                    PoolError::Conn {
-                        addr: self.addr.clone(),
-                        err,
+                    connect_by,
+                ) {
+                    Ok(mut c) => {
+                        c.set_deadline(deadline);
+                        Ok(c)
                     }
-                });
+                    Err(err) => Err(self.fail(err)),
+                };
             }
             let now = Instant::now();
             if now >= deadline {
@@ -136,28 +164,75 @@ impl Pool {
         }
     }
 
-    fn release(&self, conn: Option<Conn>) {
+    /// Returns a connection whose last request succeeded; the server answers, so it is up.
+    pub fn release(&self, conn: Conn) {
         let mut st = self.state.lock().unwrap();
-        match conn {
-            Some(c) => {
-                st.idle.push(c);
-                st.backoff = BACKOFF_MIN;
-            }
-            None => st.open -= 1,
+        st.idle.push(conn);
+        st.backoff = BACKOFF_MIN;
+        let came_back = !st.up;
+        if came_back {
+            st.up = true;
+            st.down_until = None;
         }
+        let down_ms = st.down_since.map_or(0, |t| t.elapsed().as_millis() as u64);
+        drop(st);
         self.freed.notify_one();
+        // Logged outside the lock: in a Python process a log record takes the GIL.
+        if came_back {
+            tracing::info!(server = %self.addr, down_ms, "memkv server answers again");
+        }
     }
 
-    fn mark_down(&self, why: &str) {
+    /// Drops the connection `err` happened on (its stream is in an unknown state) and marks the
+    /// server down when the error is a transport failure.
+    pub fn fail(&self, err: ConnError) -> PoolError {
+        let status = err.status();
+        let reason = err.to_string();
         let mut st = self.state.lock().unwrap();
-        let b = st.backoff;
-        st.down_until = Some(Instant::now() + b);
-        st.backoff = (b * 2).min(BACKOFF_MAX);
-        // Idle connections to a failing server are likely dead too.
-        let n = st.idle.len();
-        st.idle.clear();
-        st.open -= n;
-        tracing::warn!(server = %self.addr, backoff_ms = b.as_millis() as u64, error = %why,
-            "memkv server unavailable; its keys are misses until it answers again");
+        st.open -= 1;
+        let was_up = st.up;
+        let backoff = st.backoff;
+        if err.marks_down() {
+            st.down_until = Some(Instant::now() + backoff);
+            st.backoff = (backoff * 2).min(BACKOFF_MAX);
+            // Idle connections to a failing server are likely dead too.
+            let n = st.idle.len();
+            st.idle.clear();
+            st.open -= n;
+            if was_up {
+                st.down_since = Some(Instant::now());
+            }
+            st.up = false;
+            st.last_failure = Some(Failure {
+                status,
+                reason: reason.clone(),
+                at: Instant::now(),
+            });
+        }
+        drop(st);
+        self.freed.notify_one();
+        if !err.marks_down() {
+            tracing::debug!(server = %self.addr, outcome = %status, error = %reason,
+                "memkv request refused; the server stays up");
+        } else if was_up {
+            tracing::warn!(server = %self.addr, outcome = %status, error = %reason,
+                "memkv server down; its keys are misses until it recovers");
+        } else {
+            tracing::debug!(server = %self.addr, outcome = %status, error = %reason,
+                backoff_ms = backoff.as_millis() as u64, "memkv server still down");
+        }
+        PoolError::Conn {
+            addr: self.addr.clone(),
+            err,
+        }
+    }
+
+    pub fn health(&self) -> Health {
+        let st = self.state.lock().unwrap();
+        Health {
+            addr: self.addr.clone(),
+            up: st.up,
+            last_failure: st.last_failure.clone(),
+        }
     }
 }

@@ -2,12 +2,12 @@
 //! campaign of arbitrary byte streams against a live server (bounded by PROPTEST_CASES).
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use memkv_client::{Buf, Client, ClientConfig, Status};
-use memkv_proto::{encode_key_lens, Header, Opcode};
+use memkv_proto::{encode_key_lens, Header, HelloReply, Opcode, HEADER_LEN};
 use memkv_server::{Server, ServerConfig};
 use proptest::prelude::*;
 
@@ -119,11 +119,14 @@ fn auth_is_enforced() {
         put(&client(&[&s], Some(key.clone())), b"k", b"v"),
         Status::Ok
     );
-    assert_eq!(
-        put(&client(&[&s], Some(vec![1u8; 32])), b"k", b"x"),
-        Status::Unavailable
-    );
-    assert_eq!(put(&client(&[&s], None), b"k", b"x"), Status::Unavailable);
+    let wrong = client(&[&s], Some(vec![1u8; 32]));
+    assert_eq!(put(&wrong, b"k", b"x"), Status::AuthFailed);
+    let h = &wrong.health()[0];
+    assert!(!h.up);
+    let f = h.last_failure.as_ref().unwrap();
+    assert_eq!(f.status, Status::AuthFailed);
+    assert!(f.reason.contains("AuthFailed"), "{}", f.reason);
+    assert_eq!(put(&client(&[&s], None), b"k", b"x"), Status::AuthFailed);
     assert_eq!(
         get(&client(&[&s], Some(key)), b"k", 1),
         (Status::Ok, b"v".to_vec())
@@ -146,7 +149,9 @@ fn down_server_gives_fast_misses() {
     .unwrap();
     let t = Instant::now();
     for _ in 0..50 {
-        assert_eq!(c.exists(&[b"k".to_vec()], 0)[0].0, Status::Unavailable);
+        // Refused when tried, Unavailable while marked down in between.
+        let st = c.exists(&[b"k".to_vec()], 0)[0].0;
+        assert!(matches!(st, Status::Refused | Status::Unavailable), "{st}");
     }
     assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
 }
@@ -173,6 +178,218 @@ fn stalled_frame_is_dropped_after_the_frame_timeout() {
     );
     assert!(t.elapsed() < Duration::from_secs(6));
     assert_eq!(get(&client(&[&s], None), b"slow", 100).0, Status::NotFound);
+}
+
+/// A fake server on loopback: answers HELLO (no auth, 1 MiB values), then hands the connection
+/// and the first request's header to `script`.
+fn fake_server(
+    script: impl FnOnce(TcpStream, Header) + Send + 'static,
+) -> (String, std::thread::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let t = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut hb = [0u8; HEADER_LEN];
+        s.read_exact(&mut hb).unwrap();
+        let hello = HelloReply {
+            auth_required: false,
+            nonce: [0; 32],
+            max_value_len: 1 << 20,
+        }
+        .encode();
+        s.write_all(&Header::new(Opcode::HelloReply, 1, hello.len(), 0).encode())
+            .unwrap();
+        s.write_all(&hello).unwrap();
+        s.read_exact(&mut hb).unwrap();
+        let h = Header::decode(&hb).unwrap();
+        let mut body = vec![0u8; h.body_len as usize];
+        s.read_exact(&mut body).unwrap();
+        script(s, h)
+    });
+    (addr, t)
+}
+
+fn client_at(addr: &str, op_timeout: Duration) -> Arc<Client> {
+    Client::new(ClientConfig {
+        servers: vec![addr.to_string()],
+        op_timeout,
+        ..ClientConfig::default()
+    })
+    .unwrap()
+}
+
+#[test]
+fn a_trickled_get_ends_at_the_op_deadline_and_never_writes_a_buffer_not_answered_ok() {
+    // The reply says NotFound for the first key and Ok (100 bytes) for the second, then sends
+    // those bytes one per 50 ms: 5 s of trickle against a 1 s deadline.
+    let (addr, peer) = fake_server(|mut s, h| {
+        let table = memkv_proto::encode_status_lens(&[
+            (memkv_proto::Status::NotFound, 0),
+            (memkv_proto::Status::Ok, 100),
+        ]);
+        s.write_all(&Header::new(Opcode::GetReply, h.request_id, table.len(), 100).encode())
+            .unwrap();
+        s.write_all(&table).unwrap();
+        for _ in 0..100 {
+            if s.write_all(&[0xAB]).is_err() {
+                return; // the client hung up at its deadline
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    let c = client_at(&addr, Duration::from_secs(1));
+    let mut miss = vec![7u8; 100];
+    let mut slow = vec![7u8; 100];
+    let bufs = [Buf::of_mut(&mut miss), Buf::of_mut(&mut slow)];
+    let t = Instant::now();
+    // SAFETY: both vectors outlive the call and are not touched during it.
+    let st = unsafe { c.get(&[b"a".to_vec(), b"b".to_vec()], &bufs) };
+    let took = t.elapsed();
+    assert_eq!(st, [Status::Timeout, Status::Timeout]);
+    assert!(
+        took < Duration::from_millis(1500),
+        "returned after {took:?}"
+    );
+    assert!(
+        miss.iter().all(|&b| b == 7),
+        "a buffer not answered Ok was written"
+    );
+    // Once the call returned nothing writes into caller memory any more: the client closed the
+    // connection, so the peer stops at its next write.
+    let after = slow.clone();
+    peer.join().unwrap();
+    assert_eq!(slow, after);
+    let h = &c.health()[0];
+    assert!(!h.up && h.last_failure.as_ref().unwrap().status == Status::Timeout);
+}
+
+#[test]
+fn each_failure_has_its_own_outcome() {
+    // Nothing listening: Refused.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let c = client_at(&format!("127.0.0.1:{port}"), Duration::from_secs(2));
+    assert_eq!(c.exists(&[b"k".to_vec()], 0)[0].0, Status::Refused);
+    // A second call inside the backoff does not retry: Unavailable (marked down), same reason.
+    assert_eq!(c.exists(&[b"k".to_vec()], 0)[0].0, Status::Unavailable);
+    assert_eq!(
+        c.health()[0].last_failure.as_ref().unwrap().status,
+        Status::Refused
+    );
+
+    // A peer that is not a memkv server: ProtocolError.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let peer = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n");
+        let _ = s.read(&mut [0u8; 64]);
+    });
+    let c = client_at(&addr, Duration::from_secs(2));
+    assert_eq!(c.exists(&[b"k".to_vec()], 0)[0].0, Status::ProtocolError);
+    peer.join().unwrap();
+
+    // A peer that accepts and never answers: Timeout, at the deadline.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let c = client_at(&addr, Duration::from_millis(500));
+    let t = Instant::now();
+    assert_eq!(c.exists(&[b"k".to_vec()], 0)[0].0, Status::Timeout);
+    assert!(
+        t.elapsed() < Duration::from_millis(900),
+        "{:?}",
+        t.elapsed()
+    );
+    drop(l);
+}
+
+#[test]
+fn a_frame_refused_as_too_large_does_not_mark_the_server_down() {
+    let (addr, peer) = fake_server(|mut s, h| {
+        let body = memkv_proto::encode_error(memkv_proto::ErrorCode::TooLarge, "too many keys");
+        s.write_all(&Header::new(Opcode::Error, h.request_id, body.len(), 0).encode())
+            .unwrap();
+        s.write_all(&body).unwrap();
+    });
+    let c = client_at(&addr, Duration::from_secs(2));
+    assert_eq!(c.exists(&[b"k".to_vec()], 0)[0].0, Status::TooLarge);
+    peer.join().unwrap();
+    let h = &c.health()[0];
+    assert!(h.up && h.last_failure.is_none(), "{h:?}");
+}
+
+#[test]
+fn batches_beyond_the_protocol_limits_are_split_not_refused() {
+    let s = server(64 << 20, None);
+    // One connection, so that the whole batch goes into one connection's frames.
+    let c = Client::new(ClientConfig {
+        servers: vec![s.addr.to_string()],
+        connections_per_server: 1,
+        op_timeout: Duration::from_secs(10),
+        ..ClientConfig::default()
+    })
+    .unwrap();
+    // More keys than one frame may carry.
+    let many: Vec<Vec<u8>> = (0..70_000u32)
+        .map(|i| format!("many/{i}").into_bytes())
+        .collect();
+    let st = c.exists(&many, 0);
+    assert!(st.iter().all(|(s, _)| *s == Status::NotFound));
+    // Fewer keys, but a key table larger than one frame's body limit (18 MB > 16 MiB).
+    let long: Vec<Vec<u8>> = (0..18_000u32)
+        .map(|i| format!("{i:01000}").into_bytes())
+        .collect();
+    let vals: Vec<[u8; 8]> = (0..long.len() as u64).map(|i| i.to_le_bytes()).collect();
+    let bufs: Vec<Buf> = vals.iter().map(|v| Buf::of(v)).collect();
+    // SAFETY: `vals` outlives the call.
+    let st = unsafe { c.put(&long, &bufs) };
+    assert!(st.iter().all(|s| *s == Status::Ok));
+    let mut out = vec![[0u8; 8]; long.len()];
+    let dst: Vec<Buf> = out.iter_mut().map(|v| Buf::of_mut(v)).collect();
+    // SAFETY: `out` outlives the call; its buffers are distinct and untouched meanwhile.
+    let st = unsafe { c.get(&long, &dst) };
+    assert!(st.iter().all(|s| *s == Status::Ok));
+    assert_eq!(out, vals);
+    assert!(c.health()[0].up);
+}
+
+#[test]
+fn server_spellings_are_canonicalised_before_placement() {
+    let canon = vec![
+        "10.0.0.1:7390".to_string(),
+        "[::1]:7390".into(),
+        "host-a:1".into(),
+    ];
+    let c = Client::new(ClientConfig {
+        servers: vec![
+            " 10.0.0.1:7390".into(),
+            "[0::0001]:07390".into(),
+            "HOST-A.:1".into(),
+        ],
+        ..ClientConfig::default()
+    })
+    .unwrap();
+    assert_eq!(c.config().servers, canon);
+    for i in 0..1000u32 {
+        let k = format!("key/{i}");
+        assert_eq!(
+            c.server_of(k.as_bytes()),
+            memkv_client::placement::rendezvous(k.as_bytes(), &canon)
+        );
+    }
+    let dup = Client::new(ClientConfig {
+        servers: vec!["a:1".into(), "A:1".into()],
+        ..ClientConfig::default()
+    });
+    assert!(dup.err().unwrap().contains("listed twice"));
+    let rdma = Client::new(ClientConfig {
+        transport: memkv_client::TransportChoice::Rdma,
+        ..ClientConfig::default()
+    });
+    assert!(rdma.err().unwrap().contains("TCP transport only"));
 }
 
 fn fuzz_server() -> &'static (Server, Arc<Client>) {

@@ -4,13 +4,29 @@
 //! Buffers cross as (address, length) pairs: torch tensors have no buffer protocol and abi3-py310
 //! has no PyBuffer, so the Python wrapper extracts addresses and passes the owning objects along;
 //! submitted operations keep those owners alive until the I/O threads are done with the memory.
+//!
+//! No Rust panic crosses into Python: every entry point runs under `catch_unwind` and turns a
+//! panic (a bug) into a `RuntimeError` with a clear message instead of pyo3's `PanicException`.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Duration;
 
-use memkv_client::{Buf, Client, ClientConfig, Op, OpResult, Status};
-use pyo3::exceptions::PyValueError;
+use memkv_client::{exec::panic_message, Buf, Client, ClientConfig, Op, OpResult, Status};
+use memkv_client::{placement, TransportChoice};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+
+/// Runs `f`, turning a panic into a Python RuntimeError.
+fn no_panic<T>(f: impl FnOnce() -> T) -> PyResult<T> {
+    catch_unwind(AssertUnwindSafe(f)).map_err(|p| internal_error(&panic_message(&*p)))
+}
+
+fn internal_error(msg: &str) -> PyErr {
+    PyRuntimeError::new_err(format!(
+        "memkv internal error (a bug; please report it): {msg}"
+    ))
+}
 
 fn bufs(keys: &[Vec<u8>], ptrs: &[usize], sizes: &[usize]) -> PyResult<Vec<Buf>> {
     if keys.len() != ptrs.len() || keys.len() != sizes.len() {
@@ -33,8 +49,33 @@ fn bufs(keys: &[Vec<u8>], ptrs: &[usize], sizes: &[usize]) -> PyResult<Vec<Buf>>
         .collect()
 }
 
+/// Per server: (address, answer or None, error or None).
+type PerServer<T> = Vec<(String, Option<T>, Option<String>)>;
+/// Per server: (address, up, last failure's status code, its reason, seconds since it).
+type HealthRows = Vec<(String, bool, Option<u8>, Option<String>, Option<f64>)>;
+
 fn codes(st: &[Status]) -> Vec<u8> {
     st.iter().map(|s| *s as u8).collect()
+}
+
+/// A finite, non-negative number of seconds as a Duration: ValueError otherwise (including
+/// values too large for a Duration), never a panic.
+fn seconds(s: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|e| PyValueError::new_err(format!("{s} is not a usable number of seconds: {e}")))
+}
+
+fn transport_choice(name: &str) -> PyResult<TransportChoice> {
+    Ok(match name {
+        "tcp" => TransportChoice::Tcp,
+        "rdma" => TransportChoice::Rdma,
+        "auto" => TransportChoice::Auto,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "transport must be tcp, rdma or auto, got {other:?}"
+            )))
+        }
+    })
 }
 
 #[pyclass(frozen, name = "Client", module = "memkv_vllm._native")]
@@ -45,7 +86,8 @@ struct PyClient {
 #[pymethods]
 impl PyClient {
     #[new]
-    #[pyo3(signature = (servers, auth_key=None, connections_per_server=2, connect_timeout_s=1.0, op_timeout_s=10.0, io_threads=8))]
+    #[pyo3(signature = (servers, auth_key=None, connections_per_server=2, connect_timeout_s=1.0, op_timeout_s=10.0, io_threads=8, transport="tcp", rdma_devices=Vec::new()))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         servers: Vec<String>,
         auth_key: Option<Vec<u8>>,
@@ -53,38 +95,52 @@ impl PyClient {
         connect_timeout_s: f64,
         op_timeout_s: f64,
         io_threads: usize,
+        transport: &str,
+        rdma_devices: Vec<String>,
     ) -> PyResult<Self> {
-        if !(connect_timeout_s > 0.0 && op_timeout_s > 0.0) {
-            return Err(PyValueError::new_err("timeouts must be positive"));
+        let ok = |t: f64| t > 0.0 && t.is_finite();
+        if !(ok(connect_timeout_s) && ok(op_timeout_s)) {
+            return Err(PyValueError::new_err(
+                "timeouts must be positive and finite",
+            ));
         }
-        let inner = Client::new(ClientConfig {
+        let cfg = ClientConfig {
             servers,
             auth_key,
             connections_per_server,
-            connect_timeout: Duration::from_secs_f64(connect_timeout_s),
-            op_timeout: Duration::from_secs_f64(op_timeout_s),
+            connect_timeout: seconds(connect_timeout_s)?,
+            op_timeout: seconds(op_timeout_s)?,
             io_threads,
-        })
-        .map_err(PyValueError::new_err)?;
+            transport: transport_choice(transport)?,
+            rdma_devices,
+        };
+        let inner = no_panic(|| Client::new(cfg))?.map_err(PyValueError::new_err)?;
         Ok(PyClient { inner })
     }
 
-    /// Status code per key (0 = found); with lease_ms > 0 found values are leased.
+    /// (status code, stored length) per key; with lease_ms > 0 found values are leased.
     #[pyo3(signature = (keys, lease_ms=0))]
-    fn exists(&self, py: Python<'_>, keys: Vec<Vec<u8>>, lease_ms: u32) -> Vec<(u8, u64)> {
+    fn exists(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Vec<u8>>,
+        lease_ms: u32,
+    ) -> PyResult<Vec<(u8, u64)>> {
         let c = &self.inner;
-        py.detach(|| c.exists(&keys, lease_ms))
+        Ok(py
+            .detach(|| no_panic(|| c.exists(&keys, lease_ms)))?
             .into_iter()
             .map(|(s, n)| (s as u8, n))
-            .collect()
+            .collect())
     }
 
-    fn delete(&self, py: Python<'_>, keys: Vec<Vec<u8>>) -> Vec<u8> {
+    fn delete(&self, py: Python<'_>, keys: Vec<Vec<u8>>) -> PyResult<Vec<u8>> {
         let c = &self.inner;
-        codes(&py.detach(|| c.delete(&keys)))
+        Ok(codes(&py.detach(|| no_panic(|| c.delete(&keys)))?))
     }
 
-    /// Stores from caller memory. The caller keeps the memory alive for the call (it blocks).
+    /// Stores from raw addresses. Unsafe in Rust's sense: the caller guarantees every
+    /// (address, size) is readable memory that stays valid until this blocking call returns.
     fn put(
         &self,
         py: Python<'_>,
@@ -95,7 +151,10 @@ impl PyClient {
         self.transfer(py, keys, ptrs, sizes, true)
     }
 
-    /// Reads into caller memory. A buffer is written only when its key's status is 0.
+    /// Reads into raw addresses. Unsafe in Rust's sense: the caller guarantees every
+    /// (address, size) is writable memory, distinct from the others, that nobody else touches
+    /// until this blocking call returns. A buffer is written only when its key's status is 0,
+    /// except that a transfer failing part-way may leave part of that key's value in it.
     fn get_into(
         &self,
         py: Python<'_>,
@@ -116,7 +175,7 @@ impl PyClient {
     }
 
     /// Like put, on the I/O threads. `owner` is kept alive until the transfer is over, even if
-    /// the returned Op is dropped first.
+    /// the returned Op is dropped first; the addresses must stay valid as long as `owner` lives.
     #[pyo3(signature = (keys, ptrs, sizes, owner=None))]
     fn submit_put(
         &self,
@@ -141,32 +200,59 @@ impl PyClient {
     }
 
     /// [(address, seconds or None, error or None)] per server.
-    fn ping(&self, py: Python<'_>) -> Vec<(String, Option<f64>, Option<String>)> {
+    fn ping(&self, py: Python<'_>) -> PyResult<PerServer<f64>> {
         let c = &self.inner;
-        py.detach(|| c.ping())
+        Ok(py
+            .detach(|| no_panic(|| c.ping()))?
             .into_iter()
             .map(|(a, r)| match r {
                 Ok(d) => (a, Some(d.as_secs_f64()), None),
                 Err(e) => (a, None, Some(e)),
             })
-            .collect()
+            .collect())
     }
 
     /// [(address, stats JSON or None, error or None)] per server.
-    fn stats(&self, py: Python<'_>) -> Vec<(String, Option<String>, Option<String>)> {
+    fn stats(&self, py: Python<'_>) -> PyResult<PerServer<String>> {
         let c = &self.inner;
-        py.detach(|| c.stats())
+        Ok(py
+            .detach(|| no_panic(|| c.stats()))?
             .into_iter()
             .map(|(a, r)| match r {
                 Ok(s) => (a, Some(s), None),
                 Err(e) => (a, None, Some(e)),
             })
-            .collect()
+            .collect())
+    }
+
+    /// [(address, up, last failure's status code or None, its reason or None, seconds since it
+    /// or None)] per server, as this client sees them; no request is sent.
+    fn health(&self, py: Python<'_>) -> PyResult<HealthRows> {
+        let c = &self.inner;
+        Ok(py
+            .detach(|| no_panic(|| c.health()))?
+            .into_iter()
+            .map(|h| {
+                let f = h.last_failure;
+                (
+                    h.addr,
+                    h.up,
+                    f.as_ref().map(|f| f.status as u8),
+                    f.as_ref().map(|f| f.reason.clone()),
+                    f.as_ref().map(|f| f.at.elapsed().as_secs_f64()),
+                )
+            })
+            .collect())
     }
 
     /// Index (in the configured list) of the server owning `key`.
     fn server_of(&self, key: &[u8]) -> usize {
         self.inner.server_of(key)
+    }
+
+    /// The servers in canonical form, in the configured order.
+    fn servers(&self) -> Vec<String> {
+        self.inner.config().servers.clone()
     }
 }
 
@@ -182,15 +268,17 @@ impl PyClient {
     ) -> PyResult<Vec<u8>> {
         let b = bufs(&keys, &ptrs, &sizes)?;
         let c = &self.inner;
-        // SAFETY: the Python caller holds the owning objects for the duration of this blocking
-        // call; the wrapper checked writability for GET.
-        Ok(codes(&py.detach(|| unsafe {
-            if put {
-                c.put(&keys, &b)
-            } else {
-                c.get(&keys, &b)
-            }
-        })))
+        // SAFETY: the Python caller guarantees the memory stays valid (and, for GET, writable
+        // and untouched) for the duration of this blocking call.
+        Ok(codes(&py.detach(|| {
+            no_panic(|| unsafe {
+                if put {
+                    c.put(&keys, &b)
+                } else {
+                    c.get(&keys, &b)
+                }
+            })
+        })?))
     }
 
     fn submit_transfer(
@@ -233,10 +321,17 @@ impl PyOp {
     }
 
     /// Per-key results, or None if not finished within `timeout` seconds (None = no limit).
-    /// EXISTS ops give (status, length) pairs, the others status codes.
+    /// EXISTS ops give (status, length) pairs, the others status codes. Raises RuntimeError if
+    /// the operation panicked (a bug).
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Py<PyAny>>> {
-        let t = timeout.map(|s| Duration::from_secs_f64(s.max(0.0)));
+        // inf = no limit; a negative wait is a poll.
+        let t = match timeout {
+            Some(s) if s.is_nan() => return Err(PyValueError::new_err("timeout is NaN")),
+            Some(s) if s == f64::INFINITY => None,
+            Some(s) => Some(seconds(s.max(0.0))?),
+            None => None,
+        };
         let op = self.op.clone();
         let r = py.detach(move || op.wait(t));
         Ok(match r {
@@ -246,31 +341,51 @@ impl PyOp {
                 let v: Vec<(u8, u64)> = v.into_iter().map(|(s, n)| (s as u8, n)).collect();
                 Some(v.into_pyobject(py)?.into_any().unbind())
             }
+            Some(OpResult::Panicked(msg)) => return Err(internal_error(&msg)),
         })
     }
 }
 
-/// Index of the server owning `key` among `servers` (rendezvous hashing).
+/// Index of the server owning `key` among `servers` (rendezvous hashing over the strings as
+/// given; `Client` canonicalises its list first).
 #[pyfunction]
 fn rendezvous(key: &[u8], servers: Vec<String>) -> PyResult<usize> {
     if servers.is_empty() {
         return Err(PyValueError::new_err("no servers"));
     }
-    Ok(memkv_client::placement::rendezvous(key, &servers))
+    no_panic(|| placement::rendezvous(key, &servers))
+}
+
+/// The canonical spelling of one `host:port`; ValueError says what is wrong with a bad one.
+#[pyfunction]
+fn canonical_server(text: &str) -> PyResult<String> {
+    no_panic(|| placement::canonical_server(text))?.map_err(PyValueError::new_err)
 }
 
 /// Runs the `memkv` command line (argv[0] is the program name) with the GIL released.
 #[pyfunction]
-fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
-    py.detach(|| memkv_cli::run(argv))
+fn cli_main(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
+    py.detach(|| no_panic(|| memkv_cli::run(argv)))
+}
+
+/// (name, number) of every client outcome, so the Python enum can be checked against them.
+#[pyfunction]
+fn statuses() -> Vec<(&'static str, u8)> {
+    Status::ALL.iter().map(|s| (s.name(), *s as u8)).collect()
 }
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Forward the client's log records to Python's logging. No caching: records are rare (server
+    // state changes) and a level set later with logging.setLevel must apply. Another extension
+    // may have installed a `log` logger first; then ours stays out of its way.
+    let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::Nothing)?.install();
     m.add_class::<PyClient>()?;
     m.add_class::<PyOp>()?;
     m.add_function(wrap_pyfunction!(rendezvous, m)?)?;
+    m.add_function(wrap_pyfunction!(canonical_server, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(statuses, m)?)?;
     m.add("MAX_KEY_LEN", memkv_proto::MAX_KEY_LEN)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -1,0 +1,171 @@
+//! The byte streams the client speaks its protocol over. `Conn` frames requests on any `Link`;
+//! a transport only opens links. TCP is the one implementation today; an RDMA transport adds a
+//! `Transport` (and, for its data path, a `Link`) without touching placement, pools or batching.
+
+use std::io::{self, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+/// A connected, ordered byte stream to one server whose reads and writes all fail with
+/// `ErrorKind::TimedOut` once the deadline set by `set_deadline` has passed, however the peer
+/// trickles its bytes: the deadline bounds the whole operation, not each system call.
+pub trait Link: Read + Write + Send {
+    fn set_deadline(&mut self, deadline: Instant);
+}
+
+/// Opens links to servers.
+pub trait Transport: Send + Sync {
+    /// Short name for logs ("tcp").
+    fn name(&self) -> &'static str;
+    /// Connects to `addr` (a canonical `host:port`), giving up at `deadline`.
+    fn connect(&self, addr: &str, deadline: Instant) -> io::Result<Box<dyn Link>>;
+}
+
+/// An error meaning "the operation's deadline passed".
+pub fn deadline_passed() -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, "operation deadline passed")
+}
+
+/// Time left until `deadline`, or the deadline error when none is.
+fn left(deadline: Instant, now: Instant) -> io::Result<Duration> {
+    deadline
+        .checked_duration_since(now)
+        .filter(|d| !d.is_zero())
+        .ok_or_else(deadline_passed)
+}
+
+/// Plain TCP with `TCP_NODELAY`.
+pub struct Tcp;
+
+impl Transport for Tcp {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn connect(&self, addr: &str, deadline: Instant) -> io::Result<Box<dyn Link>> {
+        let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{addr}: no address"));
+        for sa in addr.to_socket_addrs()? {
+            match TcpStream::connect_timeout(&sa, left(deadline, Instant::now())?) {
+                Ok(stream) => {
+                    stream.set_nodelay(true)?;
+                    return Ok(Box::new(TcpLink {
+                        stream,
+                        deadline,
+                        read_armed: None,
+                        write_armed: None,
+                    }));
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+}
+
+/// A socket timeout set this long ago or less is reused for the next call: the deadline then
+/// overshoots by at most this much, and a bulk transfer makes no extra system call per read.
+const REARM_AFTER: Duration = Duration::from_millis(5);
+
+struct TcpLink {
+    stream: TcpStream,
+    deadline: Instant,
+    /// When the read / write socket timeout was last set to the time left.
+    read_armed: Option<Instant>,
+    write_armed: Option<Instant>,
+}
+
+impl TcpLink {
+    /// Makes the next blocking call on the socket return by the deadline (plus `REARM_AFTER`).
+    fn arm(&mut self, read: bool) -> io::Result<()> {
+        let now = Instant::now();
+        let rest = left(self.deadline, now)?;
+        let armed = if read {
+            &mut self.read_armed
+        } else {
+            &mut self.write_armed
+        };
+        if armed.is_none_or(|t| now.duration_since(t) > REARM_AFTER) {
+            if read {
+                self.stream.set_read_timeout(Some(rest))?;
+            } else {
+                self.stream.set_write_timeout(Some(rest))?;
+            }
+            *armed = Some(now);
+        }
+        Ok(())
+    }
+}
+
+/// A socket timeout surfaces as WouldBlock (Linux) or TimedOut; both mean the deadline passed.
+fn timeout_as_deadline<T>(r: io::Result<T>) -> io::Result<T> {
+    r.map_err(|e| match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => deadline_passed(),
+        _ => e,
+    })
+}
+
+impl Read for TcpLink {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.arm(true)?;
+        timeout_as_deadline(self.stream.read(buf))
+    }
+}
+
+impl Write for TcpLink {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.arm(false)?;
+        timeout_as_deadline(self.stream.write(buf))
+    }
+
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.arm(false)?;
+        timeout_as_deadline(self.stream.write_vectored(bufs))
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Link for TcpLink {
+    fn set_deadline(&mut self, deadline: Instant) {
+        self.deadline = deadline;
+        self.read_armed = None;
+        self.write_armed = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    /// A peer that sends one byte every 50 ms: a read of 1 KiB must give up at the deadline, not
+    /// after 1,024 x 50 ms.
+    #[test]
+    fn a_trickling_peer_cannot_stretch_the_deadline() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let peer = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            for _ in 0..40 {
+                if s.write_all(b"x").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let t = Instant::now();
+        let mut link = Tcp.connect(&addr, t + Duration::from_millis(400)).unwrap();
+        let mut buf = [0u8; 1024];
+        let err = link.read_exact(&mut buf).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        let took = t.elapsed();
+        assert!(
+            took >= Duration::from_millis(400) && took < Duration::from_millis(700),
+            "{took:?}"
+        );
+        drop(link);
+        peer.join().unwrap();
+    }
+}
