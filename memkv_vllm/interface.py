@@ -103,10 +103,12 @@ class BlockClient(Protocol):
     concurrently with each other, and block until every key has an outcome.
 
     Memory guarantee the offloader relies on: a transfer method reads or writes the memory at
-    `ptrs[i]` (exactly `sizes[i]` bytes) only while the call is running, and `get_into_ptrs` leaves
-    a destination unwritten unless that key's status is OK. A call that runs into the client's
-    per-operation deadline returns TIMEOUT for the keys it did not finish and writes none of their
-    destinations afterwards. Raising instead of returning statuses is tolerated (all keys of the
+    `ptrs[i]` (exactly `sizes[i]` bytes) only while the call is running. `get_into_ptrs` writes a
+    destination only after the server answered OK for that key with exactly `sizes[i]` bytes; if
+    the transfer then dies part-way (TIMEOUT, UNAVAILABLE, PROTOCOL_ERROR), that destination holds
+    unspecified bytes and its status says so: only OK destinations may be used. A call that runs
+    into the client's per-operation deadline returns TIMEOUT for the keys it did not finish and
+    writes none of their destinations after it returned. Raising instead of returning statuses is tolerated (all keys of the
     call count as failed) but never required.
     """
 
