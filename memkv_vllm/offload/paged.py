@@ -2,8 +2,8 @@
 
 Paged KV caches come in many shapes (one tensor per layer with K and V, K and V apart, one latent
 per layer as in MLA, one cross-layer tensor, several KV-cache groups), but every one is a set of
-tensors whose leading dimension is the block id. So a cache is described as tensors plus, per group, the
-refs (tensor, bytes of one block) that make up that group's block, the form vLLM's
+tensors whose leading dimension is the block id. So a cache is described as tensors plus, per
+group, the refs (tensor, bytes of one block) that make up that group's block, the form vLLM's
 CanonicalKVCaches already has. A value holds `blocks_per_value` consecutive blocks of one group,
 laid out ref-major: for each ref in order, its bytes of sub-block 0, 1, ... (no padding).
 
