@@ -17,6 +17,7 @@ Layouts: `llama` = 32 layers x 8 KV heads x head_dim 128, bf16, 16-token blocks 
 from __future__ import annotations
 
 import argparse
+import itertools
 import socket
 import sys
 import threading
@@ -100,12 +101,14 @@ def tcp_ceiling(nbytes: int, repeat: int) -> float:
     return gbps(nbytes, secs)
 
 
-def offloader(address: str, kv: PagedKV, medium: str, n: int) -> KVOffloader:
+def offloader(address: str, kv: PagedKV, medium: str, n: int, method: str) -> KVOffloader:
     cfg = load_config({"servers": [address], "connections_per_server": 8, "io_threads": 8})
     store = BlockStore(MemKVClient.from_config(cfg),
                        StoreOptions(n_read_threads=8, n_write_threads=8, blocks_per_op=1))
+    name, _, programs = method.partition(":")
     return KVOffloader(kv, store, medium=medium, scratch_bytes=n * (kv.max_value_bytes + 4096),
-                       batch_values=max(4, n // 8))
+                       batch_values=max(4, n // 8), copy_method=name,
+                       copy_programs=int(programs or 32))
 
 
 def copy_only(off: KVOffloader, n: int, repeat: int) -> tuple[float, float]:
@@ -150,6 +153,8 @@ def main() -> None:
     ap.add_argument("--blocks", default="16,64,256")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--mediums", default="host,gpu")
+    ap.add_argument("--methods", default="kernel:32,dma",
+                    help="piece copies: kernel[:programs] (Triton) or dma (cuMemcpyBatchAsync)")
     ap.add_argument("--layouts", default="llama,mla")
     ap.add_argument("--memory", default="16G", help="memkv serve --memory")
     a = ap.parse_args()
@@ -157,26 +162,26 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
     srv = MemKVServer(memory=a.memory, lanes=8).start()
     try:
-        print(f"{'layout':6} {'medium':6} {'blocks':>6} {'MiB':>6} | {'pin D2H':>7} "
+        print(f"{'layout':6} {'medium':6} {'method':9} {'blocks':>6} {'MiB':>6} | {'pin D2H':>7} "
               f"{'pin H2D':>7} {'TCP':>6} | {'gather':>7} {'%':>4} {'scatter':>7} {'%':>4} | "
               f"{'store':>6} {'load':>6} {'%min':>5}")
         for layout in a.layouts.split(","):
             kv = make_kv(layout, 2 * max(sizes))
             vb = kv.value_bytes[0]
-            for medium in a.mediums.split(","):
-                for n in sizes:
-                    nb = n * vb
-                    d2h, h2d = pinned_ceiling(nb, a.repeat)
-                    tcp = tcp_ceiling(nb, a.repeat)
-                    off = offloader(srv.address, kv, medium, n)
-                    g, s = copy_only(off, n, a.repeat)
-                    st, ld = through_memkv(off, n, a.repeat, f"{layout}{medium}{n}")
-                    off.close()
-                    floor = min(d2h, h2d, tcp)
-                    print(f"{layout:6} {medium:6} {n:>6} {nb / 2**20:>6.0f} | {d2h:>7.1f} "
-                          f"{h2d:>7.1f} {tcp:>6.1f} | {g:>7.1f} {100 * g / d2h:>4.0f} "
-                          f"{s:>7.1f} {100 * s / h2d:>4.0f} | {st:>6.1f} {ld:>6.1f} "
-                          f"{100 * min(st, ld) / floor:>5.0f}", flush=True)
+            for medium, method, n in itertools.product(a.mediums.split(","),
+                                                       a.methods.split(","), sizes):
+                nb = n * vb
+                d2h, h2d = pinned_ceiling(nb, a.repeat)
+                tcp = tcp_ceiling(nb, a.repeat)
+                off = offloader(srv.address, kv, medium, n, method)
+                g, s = copy_only(off, n, a.repeat)
+                st, ld = through_memkv(off, n, a.repeat, f"{layout}{medium}{method}{n}")
+                off.close()
+                floor = min(d2h, h2d, tcp)
+                print(f"{layout:6} {medium:6} {method:9} {n:>6} {nb / 2**20:>6.0f} | {d2h:>7.1f} "
+                      f"{h2d:>7.1f} {tcp:>6.1f} | {g:>7.1f} {100 * g / d2h:>4.0f} "
+                      f"{s:>7.1f} {100 * s / h2d:>4.0f} | {st:>6.1f} {ld:>6.1f} "
+                      f"{100 * min(st, ld) / floor:>5.0f}", flush=True)
     finally:
         srv.kill()
 

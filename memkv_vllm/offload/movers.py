@@ -152,16 +152,37 @@ def _batch_memcpy() -> Any:
     return _batch_fn
 
 
-class CudaMover:
-    """KV tensors on a CUDA device: batched copy-engine transfers on a stream of our own."""
+METHODS = ("auto", "kernel", "dma")
 
-    def __init__(self, kv: PagedKV, slots: int, slot_bytes: int, medium: str) -> None:
+
+class CudaMover:
+    """KV tensors on a CUDA device: on a stream of our own, the pieces move by one Triton kernel
+    launch (`kernel`, the default where Triton is installed) or one batched copy-engine call
+    (`dma`); whole values between device and host scratch always by copy engine."""
+
+    def __init__(self, kv: PagedKV, slots: int, slot_bytes: int, medium: str,
+                 method: str = "auto", programs: int = 32) -> None:
         import torch
 
         self._torch = torch
         self.kv, self.slot_bytes, self.medium = kv, slot_bytes, medium
         self.device = kv.device
         self._copy = _batch_memcpy()
+        self._kernel: Any = None
+        self.programs = programs
+        if method not in METHODS:
+            raise ValueError(f"copy method {method!r}: expected one of {', '.join(METHODS)}")
+        if method != "dma":
+            try:
+                from memkv_vllm.offload import triton_copy
+
+                if kv_aligned(kv):
+                    self._kernel = triton_copy
+            except ImportError:
+                pass
+            if method == "kernel" and self._kernel is None:
+                raise ValueError("copy method 'kernel' needs Triton and 8-byte aligned KV pages")
+        self.method = "kernel" if self._kernel is not None else "dma"
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)
             self.host = torch.empty(slots * slot_bytes, dtype=torch.uint8, pin_memory=True)
@@ -170,6 +191,11 @@ class CudaMover:
         self._attrs = _CUmemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
         self._host_base = int(self.host.data_ptr())
         self._dev_base = int(self.dev.data_ptr()) if self.dev is not None else 0
+        if self._kernel is not None:  # compile the kernel now, not in the first job
+            one = np.array([self._host_base], dtype=np.uint64)
+            with torch.cuda.device(self.device):
+                self._pieces(one, one, np.array([8], dtype=np.uint64))
+                self.stream.synchronize()
 
     def ready_marker(self) -> Any:
         ev = self._torch.cuda.Event()
@@ -186,6 +212,13 @@ class CudaMover:
                         self.stream.cuda_stream)
         if rc != 0:
             raise RuntimeError(f"cuMemcpyBatchAsync failed: CUresult {rc} at copy {fail.value}")
+
+    def _pieces(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
+        if self._kernel is None or len(sizes) == 0:
+            self._batch(dsts, srcs, sizes)
+            return
+        with self._torch.cuda.stream(self.stream):
+            self._kernel.copy_pieces(self._torch, dsts, srcs, sizes, self.device, self.programs)
 
     def _stage_ptrs(self, slots: Sequence[int]) -> tuple[list[int], np.ndarray, np.ndarray]:
         """Scratch slot addresses (device for `gpu`), plus host/device address pairs of the
@@ -205,7 +238,7 @@ class CudaMover:
         with self._torch.cuda.device(self.device):
             if ready is not None:
                 self.stream.wait_event(ready)
-            self._batch(val, kv, size)
+            self._pieces(val, kv, size)
             if self.dev is not None:
                 self._batch(host, dev, self._sizes(entries))
             done = self._torch.cuda.Event()
@@ -220,7 +253,7 @@ class CudaMover:
                 self.stream.wait_event(ready)
             if self.dev is not None:
                 self._batch(dev, host, self._sizes(entries))
-            self._batch(kv, val, size)
+            self._pieces(kv, val, size)
             done = self._torch.cuda.Event()
             done.record(self.stream)
         return _EventFence(done)
@@ -229,9 +262,16 @@ class CudaMover:
         self.stream.synchronize()
 
 
-def make_mover(kv: PagedKV, slots: int, slot_bytes: int, medium: str) -> Mover:
+def kv_aligned(kv: PagedKV) -> bool:
+    """Every piece of `kv` starts and ends on 8 bytes (what the copy kernel needs)."""
+    sizes = [r.nbytes for refs in kv.groups for r in refs]
+    return all(x % 8 == 0 for x in [*kv.base, *kv.pitch, *sizes])
+
+
+def make_mover(kv: PagedKV, slots: int, slot_bytes: int, medium: str, method: str = "auto",
+               programs: int = 32) -> Mover:
     """The mover for `kv`'s device and the scratch `medium` (`auto` = host until a transport can
-    read device memory; TCP cannot)."""
+    read device memory; TCP cannot). `method` and `programs` apply to CUDA KV only."""
     if medium not in MEDIUMS:
         raise ValueError(f"scratch medium {medium!r}: expected one of {', '.join(MEDIUMS)}")
     if kv.device.type == "cpu":
@@ -240,4 +280,5 @@ def make_mover(kv: PagedKV, slots: int, slot_bytes: int, medium: str) -> Mover:
         return HostMover(kv, slots, slot_bytes)
     if kv.device.type != "cuda":
         raise ValueError(f"KV tensors on {kv.device}: only CUDA and host memory are supported")
-    return CudaMover(kv, slots, slot_bytes, "host" if medium == "auto" else medium)
+    return CudaMover(kv, slots, slot_bytes, "host" if medium == "auto" else medium, method,
+                     programs)

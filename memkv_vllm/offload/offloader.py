@@ -77,14 +77,16 @@ class KVOffloader:
 
     def __init__(self, kv: PagedKV, store: BlockStore, medium: str = "auto",
                  scratch_bytes: int = 256 << 20, batch_values: int = 4,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, copy_method: str = "auto",
+                 copy_programs: int = 32) -> None:
         self.kv, self._store, self._clock = kv, store, clock
         self.slot_bytes = -(-kv.max_value_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
         n_slots = scratch_bytes // self.slot_bytes
         if n_slots < 1:
             raise ValueError(f"scratch of {scratch_bytes} bytes cannot hold one "
                              f"{kv.max_value_bytes}-byte value")
-        self.mover = make_mover(kv, n_slots, self.slot_bytes, medium)
+        self.mover = make_mover(kv, n_slots, self.slot_bytes, medium, copy_method,
+                                copy_programs)
         self.medium = self.mover.medium
         self.n_slots = n_slots
         self.batch_values = max(1, batch_values)

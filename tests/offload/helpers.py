@@ -9,11 +9,12 @@ from memkv_vllm.store import BlockStore, StoreOptions
 
 
 def offloader(address: str, kv: PagedKV, medium: str = "auto", scratch_values: int = 64,
-              **store_opts: object) -> KVOffloader:
+              copy_method: str = "auto", **store_opts: object) -> KVOffloader:
     client = MemKVClient.from_config(load_config({"servers": [address]}))
     store = BlockStore(client, StoreOptions(**store_opts))  # type: ignore[arg-type]
     slot = -(-kv.max_value_bytes // 4096) * 4096
-    return KVOffloader(kv, store, medium=medium, scratch_bytes=scratch_values * slot)
+    return KVOffloader(kv, store, medium=medium, scratch_bytes=scratch_values * slot,
+                       copy_method=copy_method)
 
 
 def run(off: KVOffloader, job_id: int, entries: list[Entry], load: bool,

@@ -16,16 +16,17 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("method", ["kernel", "dma"])
 @pytest.mark.parametrize("medium", ["host", "gpu"])
 @pytest.mark.parametrize("layout", ["kv_per_layer", "mla_latent", "k_v_apart",
-                                    "padded_two_groups"])
-def test_real_shapes_round_trip_byte_exact(memkv_server_factory, layout, medium):
+                                    "padded_two_groups", "cross_layer"])
+def test_real_shapes_round_trip_byte_exact(memkv_server_factory, layout, medium, method):
     srv = memkv_server_factory(memory="1G")
     kv = LAYOUTS[layout](40, "cuda", small=False)
     if layout == "kv_per_layer":
         assert kv.value_bytes == [2 << 20]  # 32 layers x 8 heads x 128 x bf16 x 16 tokens x K,V
-    off = offloader(srv.address, kv, medium=medium, scratch_values=8)
-    assert off.medium == medium
+    off = offloader(srv.address, kv, medium=medium, scratch_values=8, copy_method=method)
+    assert (off.medium, off.mover.method) == (medium, method)
     src, dst = list(range(0, 20)), list(range(20, 40))
     for g in range(len(kv.groups)):
         assert run(off, 1 + 2 * g, entries(b"g%d" % g, g, src), load=False).ok
@@ -36,12 +37,13 @@ def test_real_shapes_round_trip_byte_exact(memkv_server_factory, layout, medium)
     off.close()
 
 
-def test_store_is_ordered_after_the_compute_stream(memkv_server_factory):
+@pytest.mark.parametrize("method", ["kernel", "dma"])
+def test_store_is_ordered_after_the_compute_stream(memkv_server_factory, method):
     """A store submitted right after the model wrote a block (no synchronisation) stores the new
     bytes: the copy waits for the compute stream."""
     srv = memkv_server_factory(memory="512M")
     kv = LAYOUTS["kv_per_layer"](8, "cuda", small=False)
-    off = offloader(srv.address, kv)
+    off = offloader(srv.address, kv, copy_method=method)
     big = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     for _ in range(20):  # keep the compute stream busy for a while before the writes
         big.add_(1)
