@@ -191,10 +191,22 @@ class CudaMover:
         self._attrs = _CUmemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
         self._host_base = int(self.host.data_ptr())
         self._dev_base = int(self.dev.data_ptr()) if self.dev is not None else 0
-        if self._kernel is not None:  # compile the kernel now, not in the first job
-            one = np.array([self._host_base], dtype=np.uint64)
+        self._refs: list[Any] = []
+        if self._kernel is not None:
             with torch.cuda.device(self.device):
-                self._pieces(one, one, np.array([8], dtype=np.uint64))
+                for g, refs in enumerate(kv.groups):
+                    self._refs.append(self._kernel.ref_table(
+                        torch, [kv.base[r.tensor] for r in refs],
+                        [kv.pitch[r.tensor] for r in refs], [r.nbytes for r in refs],
+                        [int(o) for o in kv.ref_offsets(g)], self.device))
+                # Compile both directions now, not in the first jobs, on a table that points
+                # into scratch only (8 bytes back and forth), so no KV byte is touched.
+                probe = self._kernel.ref_table(torch, [self._host_base], [8], [8], [0],
+                                               self.device)
+                with torch.cuda.stream(self.stream):
+                    for to_kv in (False, True):
+                        self._kernel.copy_blocks(torch, probe, 1, [0], [self._host_base + 8],
+                                                 [0], to_kv, 1)
                 self.stream.synchronize()
 
     def ready_marker(self) -> Any:
@@ -213,12 +225,29 @@ class CudaMover:
         if rc != 0:
             raise RuntimeError(f"cuMemcpyBatchAsync failed: CUresult {rc} at copy {fail.value}")
 
-    def _pieces(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
-        if self._kernel is None or len(sizes) == 0:
-            self._batch(dsts, srcs, sizes)
+    def _kernel_copy(self, entries: Sequence[Entry], scratch: Sequence[int], to_kv: bool) -> None:
+        """One launch per group of `entries` (values at `scratch`), on the current stream."""
+        by_group: dict[int, tuple[list[int], list[int], list[int]]] = {}
+        for e, ptr in zip(entries, scratch, strict=True):
+            blocks, slots, pos = by_group.setdefault(e.group, ([], [], []))
+            blocks.extend(e.block_ids)
+            slots.extend([ptr] * len(e.block_ids))
+            pos.extend(range(e.first_pos, e.first_pos + len(e.block_ids)))
+        for g, (blocks, slots, pos) in by_group.items():
+            self._kernel.copy_blocks(self._torch, self._refs[g], len(self.kv.groups[g]), blocks,
+                                     slots, pos, to_kv, self.programs)
+
+    def _move(self, entries: Sequence[Entry], scratch: list[int], to_kv: bool) -> None:
+        """KV <-> scratch for `entries`, on the mover's stream."""
+        if self._kernel is not None:
+            with self._torch.cuda.stream(self.stream):
+                self._kernel_copy(entries, scratch, to_kv)
             return
-        with self._torch.cuda.stream(self.stream):
-            self._kernel.copy_pieces(self._torch, dsts, srcs, sizes, self.device, self.programs)
+        kv, val, size = self.kv.pieces(entries, scratch)
+        if to_kv:
+            self._batch(kv, val, size)
+        else:
+            self._batch(val, kv, size)
 
     def _stage_ptrs(self, slots: Sequence[int]) -> tuple[list[int], np.ndarray, np.ndarray]:
         """Scratch slot addresses (device for `gpu`), plus host/device address pairs of the
@@ -234,11 +263,10 @@ class CudaMover:
 
     def gather(self, entries: Sequence[Entry], slots: Sequence[int], ready: Any) -> Fence:
         scratch, host, dev = self._stage_ptrs(slots)
-        kv, val, size = self.kv.pieces(entries, scratch)
         with self._torch.cuda.device(self.device):
             if ready is not None:
                 self.stream.wait_event(ready)
-            self._pieces(val, kv, size)
+            self._move(entries, scratch, False)
             if self.dev is not None:
                 self._batch(host, dev, self._sizes(entries))
             done = self._torch.cuda.Event()
@@ -247,13 +275,12 @@ class CudaMover:
 
     def scatter(self, entries: Sequence[Entry], slots: Sequence[int], ready: Any) -> Fence:
         scratch, host, dev = self._stage_ptrs(slots)
-        kv, val, size = self.kv.pieces(entries, scratch)
         with self._torch.cuda.device(self.device):
             if ready is not None:
                 self.stream.wait_event(ready)
             if self.dev is not None:
                 self._batch(dev, host, self._sizes(entries))
-            self._pieces(kv, val, size)
+            self._move(entries, scratch, True)
             done = self._torch.cuda.Event()
             done.record(self.stream)
         return _EventFence(done)

@@ -86,6 +86,10 @@ class PagedKV:
             raise ValueError(f"tensor {i}: one block is not contiguous; pass refs explicitly")
         return int(t[0].numel()) * t.element_size()
 
+    def ref_offsets(self, group: int) -> list[int]:
+        """Where each ref of `group` starts inside a value."""
+        return [int(o) for o in self._ref_offsets[group]]
+
     @property
     def max_value_bytes(self) -> int:
         return max(self.value_bytes)

@@ -56,3 +56,21 @@ def test_store_is_ordered_after_the_compute_stream(memkv_server_factory, method)
     assert run(off, 2, [Entry(b"fresh", 0, (6,))], load=True).ok
     assert all((t[6].view(torch.uint8) == 0xA5).all() for t in kv.tensors)
     off.close()
+
+
+@pytest.mark.parametrize("method", ["kernel", "dma"])
+@pytest.mark.parametrize("medium", ["host", "gpu"])
+def test_multi_block_values_and_partial_loads(memkv_server_factory, method, medium):
+    srv = memkv_server_factory(memory="512M")
+    kv = LAYOUTS["padded_two_groups"](24, "cuda", small=False, bpv=4)
+    off = offloader(srv.address, kv, medium=medium, copy_method=method)
+    stored = {0: (3, 9, 1, 17), 1: (4, 2, 8, 5)}
+    for g, blocks in stored.items():
+        assert run(off, 1 + g, [Entry(b"c%d" % g, g, blocks)], load=False).ok
+    want = {g: [block_bytes(kv, g, b) for b in blocks[1:]] for g, blocks in stored.items()}
+    r = run(off, 5, [Entry(b"c0", 0, (20, 21, 22), first_pos=1),
+                     Entry(b"c1", 1, (10, 11, 12), first_pos=1)], load=True)
+    assert r.ok
+    assert [block_bytes(kv, 0, b) for b in (20, 21, 22)] == want[0]
+    assert [block_bytes(kv, 1, b) for b in (10, 11, 12)] == want[1]
+    off.close()
