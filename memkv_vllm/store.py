@@ -421,6 +421,19 @@ class BlockStore:
                 self._cv.wait(left)
         return True
 
+    def wait_any(self, timeout: float) -> bool:
+        """BLOCKING: wait until some job has finished that `poll` has not returned yet, at most
+        `timeout` seconds (real time). True if one has. For owners that also wait on other work
+        (e.g. device copies) and cannot block in `drain` until every job is done."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not (self._ready or not self._done.empty()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
     def has_pending_jobs(self) -> bool:
         return bool(self._inflight or self._ready or not self._done.empty())
 

@@ -84,3 +84,19 @@ def test_missing_key_fails_the_load_and_becomes_a_miss(server: MemKVServer) -> N
         assert st.lookup(b"nope") is Lookup.MISS  # remembered: no second load attempt
     finally:
         st.close()
+
+
+def test_wait_any_returns_when_a_job_finished(server: MemKVServer) -> None:
+    """wait_any blocks until a finished job waits in poll(), without waiting for every job."""
+    mem = np.ones((2, 4096), dtype=np.int8)
+    st = _store(server.address, mem)
+    try:
+        t0 = time.monotonic()
+        assert st.wait_any(0.2) is False  # nothing submitted: times out
+        assert time.monotonic() - t0 >= 0.2
+        st.submit_store(1, [b"w/0"], [mem.ctypes.data], [4096])
+        assert st.wait_any(10) is True
+        assert [c.job_id for c in st.poll()] == [1]
+        assert st.wait_any(0) is False  # polled: nothing waits any more
+    finally:
+        st.close()

@@ -1,0 +1,311 @@
+"""Moving blocks between the KV tensors and scratch slots: a gather is one batched copy of pieces.
+
+Why copies and not kernels: a block of a real model is one piece per layer (e.g. 32 x 64 KiB), and
+launching one copy (or one index_select) per piece and layer from Python costs more than moving the
+bytes. `cuMemcpyBatchAsync` (CUDA driver 12.8+) takes every piece of a job in ONE call and the copy
+engines write them straight into pinned host memory, so the gather IS the device-to-host copy and
+no SM time is taken from the model. The same call scatters on loads. Host KV tensors (vLLM's CPU
+platform) are gathered with memmove.
+
+Scratch medium: `host` keeps the slots in pinned host memory (what a TCP transport reads); `gpu`
+keeps them in device memory (for transports that read device memory) and, while the transport is
+TCP, stages each value through a pinned host slot of the same index.
+
+Ordering: every copy runs on the mover's own CUDA stream, after an event recorded on the caller's
+current (compute) stream at submit time, so a store never reads KV the model is still writing and a
+load never races the zeroing of freshly allocated blocks. Completion is a CUDA event (`Fence`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from memkv_vllm.offload.paged import Entry, PagedKV
+
+MEDIUMS = ("auto", "host", "gpu")
+
+
+class Fence(Protocol):
+    """The end of an enqueued copy."""
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+class _Done:
+    """A copy that already happened (memmove)."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class _EventFence:
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def done(self) -> bool:
+        return bool(self._event.query())
+
+    def wait(self) -> None:
+        self._event.synchronize()  # releases the GIL while it waits
+
+
+class Mover(Protocol):
+    """Copies between a `PagedKV` and `slots` scratch slots of `slot_bytes` each."""
+
+    medium: str
+    host: Any  # the uint8 host tensor the transport reads and writes (slot i at i * slot_bytes)
+
+    def ready_marker(self) -> Any:
+        """Called at submit on the caller's thread: marks the point of the caller's compute
+        stream after which a gather may read / a scatter may write the job's blocks."""
+        ...
+
+    def gather(self, entries: Sequence[Entry], slots: Sequence[int], ready: Any) -> Fence:
+        """Enqueue KV blocks -> the host slots of `slots` (one value per entry)."""
+        ...
+
+    def scatter(self, entries: Sequence[Entry], slots: Sequence[int], ready: Any) -> Fence:
+        """Enqueue the host slots of `slots` -> KV blocks."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class HostMover:
+    """KV tensors in host memory: memmove, done before the call returns."""
+
+    medium = "host"
+
+    def __init__(self, kv: PagedKV, slots: int, slot_bytes: int) -> None:
+        import torch
+
+        self.kv, self.slot_bytes = kv, slot_bytes
+        self.host = torch.empty(slots * slot_bytes, dtype=torch.uint8)
+        self._base = int(self.host.data_ptr())
+
+    def ready_marker(self) -> Any:
+        return None  # host KV is written synchronously by the model
+
+    def _slot_ptrs(self, slots: Sequence[int]) -> list[int]:
+        return [self._base + s * self.slot_bytes for s in slots]
+
+    def gather(self, entries: Sequence[Entry], slots: Sequence[int], ready: Any) -> Fence:
+        kv, val, size = self.kv.pieces(entries, self._slot_ptrs(slots))
+        for d, s, n in zip(val.tolist(), kv.tolist(), size.tolist(), strict=True):
+            ctypes.memmove(d, s, n)
+        return _Done()
+
+    def scatter(self, entries: Sequence[Entry], slots: Sequence[int], ready: Any) -> Fence:
+        kv, val, size = self.kv.pieces(entries, self._slot_ptrs(slots))
+        for d, s, n in zip(kv.tolist(), val.tolist(), size.tolist(), strict=True):
+            ctypes.memmove(d, s, n)
+        return _Done()
+
+    def close(self) -> None:
+        return None
+
+
+# ------------------------------------------------------------------------------ CUDA batch copies
+class _CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_uint), ("id", ctypes.c_int)]
+
+
+class _CUmemcpyAttributes(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", ctypes.c_uint), ("srcLocHint", _CUmemLocation),
+                ("dstLocHint", _CUmemLocation), ("flags", ctypes.c_uint)]
+
+
+# CUmemcpySrcAccessOrder STREAM: the source is read in stream order (it may still be written).
+_SRC_ACCESS_ORDER_STREAM = 1
+# cuMemcpyBatchAsync as introduced in CUDA 12.8: (dsts, srcs, sizes, count, attrs, attrIdxs,
+# numAttrs, failIdx, stream). CUDA 13 headers name a _v2 without failIdx; asking the driver for the
+# 12.8 version keeps this signature on every driver that has the call.
+_BATCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                             ctypes.c_void_p, ctypes.c_void_p)
+_batch_fn: Any = None
+
+
+def _batch_memcpy() -> Any:
+    global _batch_fn
+    if _batch_fn is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        get = lib.cuGetProcAddress_v2
+        get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                        ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)]
+        get.restype = ctypes.c_int
+        pfn, found = ctypes.c_void_p(), ctypes.c_int()
+        rc = get(b"cuMemcpyBatchAsync", ctypes.byref(pfn), 12080, 0, ctypes.byref(found))
+        if rc != 0 or not pfn.value:
+            raise RuntimeError("the CUDA driver has no cuMemcpyBatchAsync (needs a driver for "
+                               f"CUDA 12.8 or newer; cuGetProcAddress returned {rc})")
+        _batch_fn = _BATCH_FN(pfn.value)
+    return _batch_fn
+
+
+METHODS = ("auto", "kernel", "dma")
+
+
+class CudaMover:
+    """KV tensors on a CUDA device: on a stream of our own, the pieces move by one Triton kernel
+    launch (`kernel`, the default where Triton is installed) or one batched copy-engine call
+    (`dma`); whole values between device and host scratch always by copy engine."""
+
+    def __init__(self, kv: PagedKV, slots: int, slot_bytes: int, medium: str,
+                 method: str = "auto", programs: int = 32) -> None:
+        import torch
+
+        self._torch = torch
+        self.kv, self.slot_bytes, self.medium = kv, slot_bytes, medium
+        self.device = kv.device
+        self._copy = _batch_memcpy()
+        self._kernel: Any = None
+        self.programs = programs
+        if method not in METHODS:
+            raise ValueError(f"copy method {method!r}: expected one of {', '.join(METHODS)}")
+        if method != "dma":
+            try:
+                from memkv_vllm.offload import triton_copy
+
+                if kv_aligned(kv):
+                    self._kernel = triton_copy
+            except ImportError:
+                pass
+            if method == "kernel" and self._kernel is None:
+                raise ValueError("copy method 'kernel' needs Triton and 8-byte aligned KV pages")
+        self.method = "kernel" if self._kernel is not None else "dma"
+        with torch.cuda.device(self.device):
+            self.stream = torch.cuda.Stream(self.device)
+            self.host = torch.empty(slots * slot_bytes, dtype=torch.uint8, pin_memory=True)
+            self.dev = (torch.empty(slots * slot_bytes, dtype=torch.uint8, device=self.device)
+                        if medium == "gpu" else None)
+        self._attrs = _CUmemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
+        self._host_base = int(self.host.data_ptr())
+        self._dev_base = int(self.dev.data_ptr()) if self.dev is not None else 0
+        self._refs: list[Any] = []
+        if self._kernel is not None:
+            with torch.cuda.device(self.device):
+                for g, refs in enumerate(kv.groups):
+                    self._refs.append(self._kernel.ref_table(
+                        torch, [kv.base[r.tensor] for r in refs],
+                        [kv.pitch[r.tensor] for r in refs], [r.nbytes for r in refs],
+                        [int(o) for o in kv.ref_offsets(g)], self.device))
+                # Compile both directions now, not in the first jobs, on a table that points
+                # into scratch only (8 bytes back and forth), so no KV byte is touched.
+                probe = self._kernel.ref_table(torch, [self._host_base], [8], [8], [0],
+                                               self.device)
+                with torch.cuda.stream(self.stream):
+                    for to_kv in (False, True):
+                        self._kernel.copy_blocks(torch, probe, 1, [0], [self._host_base + 8],
+                                                 [0], to_kv, 1)
+                self.stream.synchronize()
+
+    def ready_marker(self) -> Any:
+        ev = self._torch.cuda.Event()
+        ev.record(self._torch.cuda.current_stream(self.device))
+        return ev
+
+    def _batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
+        if len(sizes) == 0:
+            return
+        dsts, srcs, sizes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes))
+        idx, fail = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        rc = self._copy(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
+                        ctypes.addressof(self._attrs), ctypes.byref(idx), 1, ctypes.byref(fail),
+                        self.stream.cuda_stream)
+        if rc != 0:
+            raise RuntimeError(f"cuMemcpyBatchAsync failed: CUresult {rc} at copy {fail.value}")
+
+    def _kernel_copy(self, entries: Sequence[Entry], scratch: Sequence[int], to_kv: bool) -> None:
+        """One launch per group of `entries` (values at `scratch`), on the current stream."""
+        by_group: dict[int, tuple[list[int], list[int], list[int]]] = {}
+        for e, ptr in zip(entries, scratch, strict=True):
+            blocks, slots, pos = by_group.setdefault(e.group, ([], [], []))
+            blocks.extend(e.block_ids)
+            slots.extend([ptr] * len(e.block_ids))
+            pos.extend(range(e.first_pos, e.first_pos + len(e.block_ids)))
+        for g, (blocks, slots, pos) in by_group.items():
+            self._kernel.copy_blocks(self._torch, self._refs[g], len(self.kv.groups[g]), blocks,
+                                     slots, pos, to_kv, self.programs)
+
+    def _move(self, entries: Sequence[Entry], scratch: list[int], to_kv: bool) -> None:
+        """KV <-> scratch for `entries`, on the mover's stream."""
+        if self._kernel is not None:
+            with self._torch.cuda.stream(self.stream):
+                self._kernel_copy(entries, scratch, to_kv)
+            return
+        kv, val, size = self.kv.pieces(entries, scratch)
+        if to_kv:
+            self._batch(kv, val, size)
+        else:
+            self._batch(val, kv, size)
+
+    def _stage_ptrs(self, slots: Sequence[int]) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Scratch slot addresses (device for `gpu`), plus host/device address pairs of the
+        staging copies for `gpu`."""
+        host = np.array([self._host_base + s * self.slot_bytes for s in slots], dtype=np.uint64)
+        if self.dev is None:
+            return host.tolist(), host, host
+        dev = np.array([self._dev_base + s * self.slot_bytes for s in slots], dtype=np.uint64)
+        return dev.tolist(), host, dev
+
+    def _sizes(self, entries: Sequence[Entry]) -> np.ndarray:
+        return np.array([self.kv.value_bytes[e.group] for e in entries], dtype=np.uint64)
+
+    def gather(self, entries: Sequence[Entry], slots: Sequence[int], ready: Any) -> Fence:
+        scratch, host, dev = self._stage_ptrs(slots)
+        with self._torch.cuda.device(self.device):
+            if ready is not None:
+                self.stream.wait_event(ready)
+            self._move(entries, scratch, False)
+            if self.dev is not None:
+                self._batch(host, dev, self._sizes(entries))
+            done = self._torch.cuda.Event()
+            done.record(self.stream)
+        return _EventFence(done)
+
+    def scatter(self, entries: Sequence[Entry], slots: Sequence[int], ready: Any) -> Fence:
+        scratch, host, dev = self._stage_ptrs(slots)
+        with self._torch.cuda.device(self.device):
+            if ready is not None:
+                self.stream.wait_event(ready)
+            if self.dev is not None:
+                self._batch(dev, host, self._sizes(entries))
+            self._move(entries, scratch, True)
+            done = self._torch.cuda.Event()
+            done.record(self.stream)
+        return _EventFence(done)
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+def kv_aligned(kv: PagedKV) -> bool:
+    """Every piece of `kv` starts and ends on 8 bytes (what the copy kernel needs)."""
+    sizes = [r.nbytes for refs in kv.groups for r in refs]
+    return all(x % 8 == 0 for x in [*kv.base, *kv.pitch, *sizes])
+
+
+def make_mover(kv: PagedKV, slots: int, slot_bytes: int, medium: str, method: str = "auto",
+               programs: int = 32) -> Mover:
+    """The mover for `kv`'s device and the scratch `medium` (`auto` = host until a transport can
+    read device memory; TCP cannot). `method` and `programs` apply to CUDA KV only."""
+    if medium not in MEDIUMS:
+        raise ValueError(f"scratch medium {medium!r}: expected one of {', '.join(MEDIUMS)}")
+    if kv.device.type == "cpu":
+        if medium == "gpu":
+            raise ValueError("scratch medium 'gpu' needs KV tensors on a CUDA device")
+        return HostMover(kv, slots, slot_bytes)
+    if kv.device.type != "cuda":
+        raise ValueError(f"KV tensors on {kv.device}: only CUDA and host memory are supported")
+    return CudaMover(kv, slots, slot_bytes, "host" if medium == "auto" else medium, method,
+                     programs)

@@ -1,0 +1,76 @@
+"""The offloader core on CUDA KV tensors of real model shapes, host and gpu scratch, against a real
+memkv server. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import entries, offloader, run
+from layouts import LAYOUTS, block_bytes
+
+from memkv_vllm.offload import Entry
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("method", ["kernel", "dma"])
+@pytest.mark.parametrize("medium", ["host", "gpu"])
+@pytest.mark.parametrize("layout", ["kv_per_layer", "mla_latent", "k_v_apart",
+                                    "padded_two_groups", "cross_layer"])
+def test_real_shapes_round_trip_byte_exact(memkv_server_factory, layout, medium, method):
+    srv = memkv_server_factory(memory="1G")
+    kv = LAYOUTS[layout](40, "cuda", small=False)
+    if layout == "kv_per_layer":
+        assert kv.value_bytes == [2 << 20]  # 32 layers x 8 heads x 128 x bf16 x 16 tokens x K,V
+    off = offloader(srv.address, kv, medium=medium, scratch_values=8, copy_method=method)
+    assert (off.medium, off.mover.method) == (medium, method)
+    src, dst = list(range(0, 20)), list(range(20, 40))
+    for g in range(len(kv.groups)):
+        assert run(off, 1 + 2 * g, entries(b"g%d" % g, g, src), load=False).ok
+        want = [block_bytes(kv, g, b) for b in src]
+        r = run(off, 2 + 2 * g, [Entry(b"g%d/%d" % (g, i), g, (d,)) for i, d in enumerate(dst)],
+                load=True)
+        assert r.ok and [block_bytes(kv, g, b) for b in dst] == want
+    off.close()
+
+
+@pytest.mark.parametrize("method", ["kernel", "dma"])
+def test_store_is_ordered_after_the_compute_stream(memkv_server_factory, method):
+    """A store submitted right after the model wrote a block (no synchronisation) stores the new
+    bytes: the copy waits for the compute stream."""
+    srv = memkv_server_factory(memory="512M")
+    kv = LAYOUTS["kv_per_layer"](8, "cuda", small=False)
+    off = offloader(srv.address, kv, copy_method=method)
+    big = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    for _ in range(20):  # keep the compute stream busy for a while before the writes
+        big.add_(1)
+    for t in kv.tensors:
+        t[2].view(torch.uint8).fill_(0xA5)
+    off.submit_store(1, [Entry(b"fresh", 0, (2,))])
+    assert off.drain(30) and off.poll()[0].ok
+    for t in kv.tensors:
+        t[2].zero_()
+    assert run(off, 2, [Entry(b"fresh", 0, (6,))], load=True).ok
+    assert all((t[6].view(torch.uint8) == 0xA5).all() for t in kv.tensors)
+    off.close()
+
+
+@pytest.mark.parametrize("method", ["kernel", "dma"])
+@pytest.mark.parametrize("medium", ["host", "gpu"])
+def test_multi_block_values_and_partial_loads(memkv_server_factory, method, medium):
+    srv = memkv_server_factory(memory="512M")
+    kv = LAYOUTS["padded_two_groups"](24, "cuda", small=False, bpv=4)
+    off = offloader(srv.address, kv, medium=medium, copy_method=method)
+    stored = {0: (3, 9, 1, 17), 1: (4, 2, 8, 5)}
+    for g, blocks in stored.items():
+        assert run(off, 1 + g, [Entry(b"c%d" % g, g, blocks)], load=False).ok
+    want = {g: [block_bytes(kv, g, b) for b in blocks[1:]] for g, blocks in stored.items()}
+    r = run(off, 5, [Entry(b"c0", 0, (20, 21, 22), first_pos=1),
+                     Entry(b"c1", 1, (10, 11, 12), first_pos=1)], load=True)
+    assert r.ok
+    assert [block_bytes(kv, 0, b) for b in (20, 21, 22)] == want[0]
+    assert [block_bytes(kv, 1, b) for b in (10, 11, 12)] == want[1]
+    off.close()
