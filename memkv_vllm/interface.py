@@ -108,8 +108,8 @@ class BlockClient(Protocol):
     the transfer then dies part-way (TIMEOUT, UNAVAILABLE, PROTOCOL_ERROR), that destination holds
     unspecified bytes and its status says so: only OK destinations may be used. A call that runs
     into the client's per-operation deadline returns TIMEOUT for the keys it did not finish and
-    writes none of their destinations after it returned. Raising instead of returning statuses is tolerated (all keys of the
-    call count as failed) but never required.
+    writes none of their destinations after it returned. Raising instead of returning statuses is
+    tolerated (all keys of the call count as failed) but never required.
     """
 
     def submit_exists(self, keys: Sequence[bytes], lease_ms: int = 0) -> ProbeHandle:
