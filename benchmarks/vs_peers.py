@@ -57,6 +57,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+# Child processes (memkv serve via `python -m memkv_vllm.cli`, vLLM) import this checkout.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 KEYS_PER_THREAD = 4
 SYSTEMS = ("memkv", "mooncake", "redis")
 
@@ -359,6 +361,7 @@ def main() -> int:
     ap.add_argument("--exists-calls", type=int, default=51)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--json", default="")
+    ap.add_argument("--plot", default="", help="write a PNG plot here (needs matplotlib)")
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     thread_counts = [int(t) for t in args.threads.split(",")]
@@ -395,6 +398,8 @@ def main() -> int:
                     print(f"closing {s.name}: {e}", file=sys.stderr)
             procs.stop()
     print_report(rows, ex, names, args)
+    if args.plot:
+        plot(rows, names, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "exists_s": ex},
                                               indent=1))
@@ -456,6 +461,36 @@ def print_report(rows: list[dict], ex: dict[str, float], names: list[str],
     print(f"\nbatched existence check of 1,000 keys, median of {args.exists_calls} calls:")
     for n, s in ex.items():
         print(f"  {n:18s} {s * 1e6:8.0f} us")
+
+
+def plot(rows: list[dict], names: list[str], args: argparse.Namespace) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed in {sys.executable}: no plot "
+              "(pip install matplotlib, or drop --plot)")
+        return
+    labels = [f"{r['size'] >> 20}M x{r['threads']}" for r in rows]
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, len(rows) * 0.9), 6), sharex=True)
+    width = 0.8 / len(names)
+    for ax, op in zip(axes, ("put", "get"), strict=True):
+        for j, n in enumerate(names):
+            med = [r[f"{n}_{op}"][0] for r in rows]
+            err = [[m - r[f"{n}_{op}"][1] for m, r in zip(med, rows, strict=True)],
+                   [r[f"{n}_{op}"][2] - m for m, r in zip(med, rows, strict=True)]]
+            ax.bar([i + (j - (len(names) - 1) / 2) * width for i in range(len(rows))], med,
+                   width, yerr=err, capsize=2, label=n)
+        ax.set_ylabel(f"{op} GB/s")
+        ax.legend(fontsize=8)
+    axes[1].set_xticks(range(len(rows)), labels, rotation=45, fontsize=8)
+    fig.suptitle(f"value size x client threads; median of {args.rounds} interleaved rounds, "
+                 "bars min-max", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=110)
+    print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":
