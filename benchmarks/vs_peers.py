@@ -25,14 +25,15 @@ Getting the peers (Debian/Ubuntu; nothing here touches a shared environment):
   apt-get install redis-server libibverbs1 librdmacm1   # Mooncake's library loads libibverbs
                                                         # even for TCP
   python3 -m venv .venv-peers
-  .venv-peers/bin/pip install mooncake-transfer-engine-non-cuda redis numpy pyyaml
-  # memkv's Python module from this checkout (built extension: maturin develop --release):
-  PYTHONPATH=$PWD .venv-peers/bin/python benchmarks/vs_peers.py \
+  .venv-peers/bin/pip install mooncake-transfer-engine-non-cuda redis numpy pyyaml matplotlib
+  # memkv's Python module comes from this checkout (its extension built: maturin develop):
+  .venv-peers/bin/python benchmarks/vs_peers.py \
       [--sizes 1M,4M,16M,64M] [--threads 1,2,4] [--volume 512M] [--rounds 3] [--json out.json]
 
-Every process it starts (memkv, mooncake_master, mooncake_client, redis-server) runs in its own
-process group on 127.0.0.1 and is stopped before it exits; MC_TCP_BIND_ADDRESS=127.0.0.1 keeps
-Mooncake's transfer engine on loopback.
+Every server it starts (memkv serve; mooncake_master, mooncake_client and redis-server each in
+its own process group) listens on 127.0.0.1 and is stopped before it exits;
+MC_TCP_BIND_ADDRESS=127.0.0.1 keeps Mooncake's transfer engine on loopback. --plot needs
+matplotlib in the same environment.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 # Child processes (memkv serve via `python -m memkv_vllm.cli`, vLLM) import this checkout.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 KEYS_PER_THREAD = 4
@@ -153,7 +154,6 @@ class MemKV(Store):
         from memkv_vllm.config import load_config
 
         self.server = MemKVServer(memory=memory, lanes=2).start()
-        procs.procs.append(self.server.proc)  # type: ignore[arg-type]
         cfg = load_config(overrides={"servers": [self.server.address]})
         self.client = MemKVClient(cfg)
         self.ok = Status.OK
