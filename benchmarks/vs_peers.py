@@ -69,6 +69,10 @@ def parse_size(s: str) -> int:
     return int(s[:-1]) * units[s[-1].upper()] if s[-1].upper() in units else int(s)
 
 
+def fmt_size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -434,7 +438,7 @@ def run_points(stores: dict[str, Store], sizes: list[int], thread_counts: list[i
                     xs = [x[j] for x in v]
                     row[f"{n}_{op}"] = [statistics.median(xs), min(xs), max(xs)]
             rows.append(row)
-            print(" ".join([f"{size >> 20:>3} MiB x{threads}"] + [
+            print(" ".join([f"{fmt_size(size):>7} x{threads}"] + [
                 f"{n} put {row[f'{n}_put'][0]:.2f} get {row[f'{n}_get'][0]:.2f}" for n in res]),
                 flush=True)
     return rows
@@ -447,7 +451,7 @@ def print_report(rows: list[dict], ex: dict[str, float], names: list[str],
     head = ["value", "thr"] + [f"{n} {op}" for op in ("put", "get") for n in names]
     print(" | ".join(head))
     for row in rows:
-        cells = [f"{row['size'] >> 20} MiB", str(row["threads"])]
+        cells = [fmt_size(row["size"]), str(row["threads"])]
         for op in ("put", "get"):
             for n in names:
                 m, lo, hi = row[f"{n}_{op}"]
@@ -473,7 +477,7 @@ def plot(rows: list[dict], names: list[str], args: argparse.Namespace) -> None:
         print(f"matplotlib is not installed in {sys.executable}: no plot "
               "(pip install matplotlib, or drop --plot)")
         return
-    labels = [f"{r['size'] >> 20}M x{r['threads']}" for r in rows]
+    labels = [f"{fmt_size(r['size'])} x{r['threads']}" for r in rows]
     fig, axes = plt.subplots(2, 1, figsize=(max(8, len(rows) * 0.9), 6), sharex=True)
     width = 0.8 / len(names)
     for ax, op in zip(axes, ("put", "get"), strict=True):
