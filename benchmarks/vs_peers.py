@@ -375,6 +375,8 @@ def main() -> int:
     if max(thread_counts) * KEYS_PER_THREAD * max(sizes) > mem_bytes // 2:
         sys.exit("--memory is too small for the largest size x threads x 4 keys")
 
+    # SIGTERM unwinds through the finally block below, which stops every server started here.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="vs-peers-") as tmp:
         procs = Procs(Path(tmp))
         stores: dict[str, Store] = {}
