@@ -262,6 +262,7 @@ class Redis(Store):
         p = procs.start("redis-server", [
             binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
             "no", "--maxmemory", memory.replace("G", "gb").replace("M", "mb"),
+            "--maxmemory-policy", "allkeys-lru",  # a cache that evicts, as memkv and Mooncake do
             "--proto-max-bulk-len", "1gb", "--protected-mode", "yes"])
         wait_port(port, p, "redis-server")
         self.pool = redis.ConnectionPool(host="127.0.0.1", port=port)
