@@ -1,0 +1,22 @@
+"""Fixtures of the real-vLLM end-to-end tests (process helpers: vllm_procs.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = Path(os.environ.get("TINY_MODEL", ROOT / ".cache" / "tinymodel"))
+    if not (path / "config.json").exists():
+        path = tmp_path_factory.mktemp("tinymodel")
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), str(path)],
+                       check=True, capture_output=True)
+    return str(path)
