@@ -21,7 +21,7 @@ cd "$ROOT"
 PY="${PYTHON:-python3}"
 VENV="$ROOT/.venv"
 # Build and test dependencies of .venv; keep in step with pyproject's [test] extra.
-DEPS=(maturin pytest hypothesis ruff attrs pyyaml packaging numpy)
+DEPS=(maturin pytest hypothesis ruff attrs pyyaml packaging numpy matplotlib)
 VLLM_VENVS=(.venv-vllm .venv-vllm-0.25)
 
 run_rust=1 run_e2e=1 setup_only=0
