@@ -80,8 +80,9 @@ def m(r, name, **lab):
         if base == name and all(have.get(x) == y for x, y in lab.items()):
             tot += v
     return tot
-stats = json.loads(subprocess.run([sys.prefix + "/bin/memkv", "stats", "--json", "--servers", cluster],
-                                  capture_output=True, text=True, check=True).stdout)
+stats = json.loads(subprocess.run(
+    [sys.prefix + "/bin/memkv", "stats", "--json", "--servers", cluster],
+    capture_output=True, text=True, check=True).stdout)
 same = a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
 blocks = int(m(b, "vllm:kv_offload_memkv_blocks", op="load", result="ok"))
 print()
