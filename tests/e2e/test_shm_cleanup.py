@@ -1,6 +1,7 @@
 """A stopped or killed API server with the memkv tier leaves its CPU pool nowhere in /dev/shm.
 
-vLLM's TieringOffloadingSpec backs the CPU pool with /dev/shm/vllm_offload_<engine id>.mmap and,
+vLLM's TieringOffloadingSpec backs the CPU pool with /dev/shm/vllm_offload_<id>.mmap (the engine
+id; vLLM 0.25: the instance id) and,
 left to itself, removes it only on a clean shutdown of the worker that created it (a SIGTERM of
 the API server left it, a SIGKILL always does). The plugin unlinks the name once every process
 has mapped the pool (memkv_vllm/shm_region.py): these tests start the real API server with the
@@ -86,8 +87,8 @@ def wait_group_gone(pgid: int, timeout: float = 120) -> None:
 @pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL of the process group"])
 def test_the_cpu_pool_leaves_nothing_in_dev_shm(server, model, tmp_path, stop) -> None:
     engine_id = f"memkv-shm-{uuid.uuid4().hex[:12]}"
-    pool = SHM / f"vllm_offload_{engine_id}.mmap"
     kv = {**kv_transfer_config(server.address, engine_id, 64 << 20), "engine_id": engine_id}
+    pool = ""
     port = free_port()
     before = server.stats()["puts"]
     with (tmp_path / "api.log").open("w") as log:
@@ -99,9 +100,13 @@ def test_the_cpu_pool_leaves_nothing_in_dev_shm(server, model, tmp_path, stop) -
         wait_healthy(proc, base)
         complete(base, prompt_text(300))  # the pool is in use: blocks go through it to memkv
         mapped = shm_mappings(group_pids(proc.pid))
+        pools = {m.removesuffix(DELETED) for m in mapped
+                 if Path(m.removesuffix(DELETED)).name.startswith("vllm_offload_")}
+        assert len(pools) == 1, sorted(mapped)
+        pool = pools.pop()
         # Serving: the pool is mapped, and its name is already gone (so no exit path can leak it).
-        assert str(pool) + DELETED in mapped, sorted(mapped)
-        assert not pool.exists()
+        assert pool + DELETED in mapped, sorted(mapped)
+        assert not Path(pool).exists()
         deadline = time.monotonic() + 60
         while server.stats()["puts"] == before:  # stores are asynchronous
             assert time.monotonic() < deadline, "no block reached memkv through the nameless pool"
@@ -119,11 +124,11 @@ def test_the_cpu_pool_leaves_nothing_in_dev_shm(server, model, tmp_path, stop) -
             wait_group_gone(proc.pid)
         # What this engine leaves (its pool's name, and the named files its processes mapped)
         # is listed, then removed whatever the outcome: the test must not leak it either.
-        named = {m for m in mapped if not m.endswith(DELETED)} | {str(pool)}
+        named = {m for m in mapped if not m.endswith(DELETED)} | ({pool} if pool else set())
         left = sorted(p for p in named if Path(p).exists())
         for p in left:
             Path(p).unlink(missing_ok=True)
-    assert str(pool) not in left, "the CPU pool was left in /dev/shm"
+    assert pool not in left, "the CPU pool was left in /dev/shm"
     if stop == "SIGTERM":
         assert left == [], f"left in /dev/shm after SIGTERM: {left}"
     else:
