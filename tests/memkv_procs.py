@@ -63,7 +63,7 @@ class MemKVServer:
         return int(self.address.rsplit(":", 1)[1])
 
     def stats(self) -> dict:
-        out = subprocess.run(memkv_command() + ["stats", "--servers", self.address],
+        out = subprocess.run(memkv_command() + ["stats", "--json", "--servers", self.address],
                              capture_output=True, text=True, timeout=30,
                              env={**os.environ, "MEMKV_AUTH_KEY": self.auth_key or ""}
                              if self.auth_key else None)

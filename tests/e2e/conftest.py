@@ -1,4 +1,4 @@
-"""Fixtures of the end-to-end tests (real vLLM engines in their own processes)."""
+"""Fixtures of the real-vLLM end-to-end tests (process helpers: vllm_procs.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
-def model(tmp_path_factory) -> str:
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The tiny model scripts/setup-vllm.sh makes ($TINY_MODEL), built here if missing."""
     path = Path(os.environ.get("TINY_MODEL", ROOT / ".cache" / "tinymodel"))
     if not (path / "config.json").exists():

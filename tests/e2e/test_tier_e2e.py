@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +30,7 @@ pytest.importorskip("vllm", reason="e2e tests need vLLM (use a venv from scripts
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from memkv_procs import MemKVServer  # noqa: E402
+from vllm_procs import complete, engine_env, free_port, start_api_server, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 BLOCK = 128  # vLLM's default block size on the CPU platform
@@ -39,12 +38,10 @@ PROMPT_TOKENS = 600  # -> 4 full blocks (512 tokens) can come from the cache
 
 
 def run_engine(model: str, server: str, prefix: str, out: Path, timeout: int = 420) -> dict:
-    env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, str(ROOT / "scripts" / "tier_engine.py"), "--model", model,
            "--servers", server, "--prefix", prefix, "--out", str(out),
            "--prompt-tokens", str(PROMPT_TOKENS)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(cmd, env=engine_env(), capture_output=True, text=True, timeout=timeout)
     log = out.with_suffix(".log")
     log.write_text(p.stdout + p.stderr)
     assert p.returncode == 0, f"engine failed (rc {p.returncode}), log: {log}\n{p.stderr[-3000:]}"
@@ -129,12 +126,6 @@ def test_engine_b_gets_the_prefix_from_memkv_and_matches_cold(cluster) -> None:
     assert after["exists_hits"] - before["exists_hits"] >= full // BLOCK
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _prometheus(text: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():
@@ -152,33 +143,14 @@ def test_online_engine_reports_the_memkv_hits_in_its_metrics(cluster) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     from tier_engine import kv_transfer_config, prompt_text
 
-    port = _free_port()
-    env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    port = free_port()
     kv = kv_transfer_config(cluster["server"].address, cluster["prefix"], 64 << 20)
     log = (cluster["work"] / "online.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cluster["model"],
-         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4",
-         "--enforce-eager", "--shutdown-timeout", "10", "--kv-transfer-config", json.dumps(kv)],
-        env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = start_api_server(cluster["model"], port, kv, log)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, "API server exited; see online.log"
-            assert time.monotonic() < deadline, "API server did not come up"
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
-        body = json.dumps({"model": "tiny", "prompt": prompt_text(PROMPT_TOKENS),
-                           "max_tokens": 1, "temperature": 0}).encode()
-        req = urllib.request.Request(base + "/v1/completions", body,
-                                     {"Content-Type": "application/json"})
-        usage = json.load(urllib.request.urlopen(req, timeout=120))["usage"]
+        wait_healthy(proc, base)
+        usage = complete(base, prompt_text(PROMPT_TOKENS))
         full = (usage["prompt_tokens"] // BLOCK) * BLOCK
         time.sleep(2)  # stats reach the front end once per logging interval / step
         text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()

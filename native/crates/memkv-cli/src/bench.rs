@@ -18,7 +18,7 @@ use crate::Conn;
 #[derive(Args)]
 pub struct BenchArgs {
     /// Servers to measure; without it an in-process server on loopback is started.
-    #[arg(long, env = "MEMKV_SERVERS")]
+    #[arg(long, env = "MEMKV_SERVERS", hide_env_values = true)]
     servers: Option<String>,
     #[arg(long, env = "MEMKV_AUTH_KEY", hide_env_values = true)]
     auth_key: Option<String>,
@@ -53,6 +53,14 @@ pub struct BenchArgs {
     /// receiver reading whole values / 256 KiB pieces, then memkv put and get.
     #[arg(long)]
     show_rounds: bool,
+    /// Also write every row's measurements (GB/s) to FILE as JSON.
+    #[arg(long, value_name = "FILE")]
+    json: Option<std::path::PathBuf>,
+    /// Draw throughput by value size and threads, with the same run's ceilings as lines, to
+    /// FILE.png. Drawn by the `memkv` command of the Python package (matplotlib: pip install
+    /// 'memkv-vllm[plot]'), which hands this binary a --json file to draw from.
+    #[arg(long, value_name = "FILE.png")]
+    plot: Option<std::path::PathBuf>,
 }
 
 /// Best of `n` runs of a throughput measurement.
@@ -490,6 +498,13 @@ fn redis_point(
 }
 
 pub fn run(a: BenchArgs) -> Result<i32, String> {
+    if a.plot.is_some() {
+        return Err(
+            "--plot is drawn by the memkv command of the Python package (python -m \
+                    memkv_vllm.cli bench --plot ...); this binary writes the data with --json FILE"
+                .into(),
+        );
+    }
     let volume = parse_size(&a.volume)?;
     let sizes: Vec<usize> = a
         .sizes
@@ -583,6 +598,7 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         }
     );
     let mut summary = Summary::default();
+    let mut rows = Vec::new();
     for &size in &sizes {
         let mc = best(rep, || Ok(memcpy_ceiling(size, volume)))?;
         for &th in &a.threads {
@@ -641,6 +657,12 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                 line += &format!(" {:>9.2} {:>9.2} {:>9.2}x {:>8.2}x", rp, rg, p / rp, g / rg);
             }
             println!("{line}");
+            let redis_gbps = |x: f64| redis.as_ref().map(|_| x);
+            rows.push(serde_json::json!({
+                "size": size, "label": size_label(size), "threads": th, "memcpy": mc,
+                "tcp": tcp, "tcp_per_thread": tcp_n, "put": p, "get": g,
+                "redis_set": redis_gbps(rp), "redis_get": redis_gbps(rg),
+            }));
             if a.show_rounds {
                 let each: Vec<String> = rounds
                     .iter()
@@ -667,6 +689,15 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         "batched EXISTS of 1,000 keys: median {:.3} ms",
         lat.as_secs_f64() * 1e3
     );
+    if let Some(path) = &a.json {
+        let doc = serde_json::json!({
+            "servers": servers, "cpus": cpus, "volume": a.volume, "keys": w.keys,
+            "batch": w.batch, "repeat": rep, "gbps": "1e9 B/s", "rows": rows,
+            "exists_1000_keys_ms": lat.as_secs_f64() * 1e3,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap())
+            .map_err(|e| format!("--json {}: {e}", path.display()))?;
+    }
     if let Some(s) = _server {
         s.shutdown();
         s.wait();

@@ -2,6 +2,7 @@
 //! console script (which calls `run` through the extension module).
 
 pub mod bench;
+pub mod stats_table;
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -25,31 +26,45 @@ struct Cli {
 enum Cmd {
     /// Run a server.
     Serve(ServeArgs),
-    /// Print each server's counters as JSON.
-    Stats(Conn),
+    /// Show each server's items, memory, hit ratios and counters (a table; JSON with --json).
+    Stats(StatsArgs),
     /// Check that each server answers; exit 1 if one does not.
     Ping(Conn),
     /// Measure put/get throughput against a server next to loopback-TCP and memcpy ceilings.
     Bench(bench::BenchArgs),
 }
 
+/// `memkv serve`. The flags a deployment sets per host also come from MEMKV_* variables (a flag
+/// wins over its variable), the names the client configuration already leaves to the server.
 #[derive(Args)]
 struct ServeArgs {
     /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1:7390")]
+    #[arg(
+        long,
+        env = "MEMKV_LISTEN",
+        hide_env_values = true,
+        default_value = "127.0.0.1:7390"
+    )]
     listen: String,
     /// Value memory, reserved and pre-faulted at start (e.g. 512M, 8G; binary units).
-    #[arg(long, default_value = "1G")]
+    #[arg(
+        long,
+        env = "MEMKV_MEMORY",
+        hide_env_values = true,
+        default_value = "1G"
+    )]
     memory: String,
     /// Independent shards, each with its own index, memory share and eviction.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, env = "MEMKV_LANES", hide_env_values = true, default_value_t = 4)]
     lanes: usize,
     /// 64 hex characters; clients must prove they hold it (HMAC-SHA256 challenge).
     #[arg(long, env = "MEMKV_AUTH_KEY", hide_env_values = true)]
     auth_key: Option<String>,
     /// Serve Prometheus metrics over HTTP at HOST:PORT/metrics.
-    #[arg(long)]
+    #[arg(long, env = "MEMKV_METRICS", hide_env_values = true)]
     metrics: Option<String>,
+    /// Client connections open at once; beyond it a new connection is refused with an error
+    /// frame (authenticated or not), so a flood cannot exhaust threads or memory.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
     /// Share of each lane's memory that leases may pin (0..1).
@@ -60,13 +75,27 @@ struct ServeArgs {
 #[derive(Args, Clone)]
 pub struct Conn {
     /// Comma-separated host:port list.
-    #[arg(long, env = "MEMKV_SERVERS", default_value = "127.0.0.1:7390")]
+    #[arg(
+        long,
+        env = "MEMKV_SERVERS",
+        hide_env_values = true,
+        default_value = "127.0.0.1:7390"
+    )]
     pub servers: String,
     #[arg(long, env = "MEMKV_AUTH_KEY", hide_env_values = true)]
     pub auth_key: Option<String>,
     /// Seconds before a silent server counts as down.
     #[arg(long, default_value_t = 5.0)]
     pub timeout: f64,
+}
+
+#[derive(Args)]
+struct StatsArgs {
+    #[command(flatten)]
+    conn: Conn,
+    /// Print the raw counters as JSON (one object per server) instead of the table.
+    #[arg(long)]
+    json: bool,
 }
 
 impl Conn {
@@ -126,7 +155,7 @@ pub fn run(args: Vec<String>) -> i32 {
     init_logging();
     let r = match cli.cmd {
         Cmd::Serve(a) => serve(a),
-        Cmd::Stats(c) => stats(c),
+        Cmd::Stats(a) => stats(a),
         Cmd::Ping(c) => ping(c),
         Cmd::Bench(b) => bench::run(b),
     };
@@ -186,21 +215,37 @@ fn serve(a: ServeArgs) -> Result<i32, String> {
     Ok(0)
 }
 
-fn stats(c: Conn) -> Result<i32, String> {
-    let client = c.client(1, 1)?;
-    let mut out = serde_json::Map::new();
+fn stats(a: StatsArgs) -> Result<i32, String> {
+    let client = a.conn.client(1, 1)?;
     let mut code = 0;
-    for (addr, r) in client.stats() {
-        let v = match r {
-            Ok(s) => serde_json::from_str(&s).unwrap_or(serde_json::Value::String(s)),
-            Err(e) => {
-                code = 1;
-                serde_json::json!({ "error": e })
-            }
-        };
-        out.insert(addr, v);
-    }
-    println!("{}", serde_json::to_string_pretty(&out).unwrap());
+    let rows: Vec<(String, Result<serde_json::Value, String>)> = client
+        .stats()
+        .into_iter()
+        .map(|(addr, r)| {
+            let v = r.and_then(|s| {
+                serde_json::from_str(&s).map_err(|e| format!("unreadable stats: {e}"))
+            });
+            code |= i32::from(v.is_err());
+            (addr, v)
+        })
+        .collect();
+    let text = if a.json {
+        let out: serde_json::Map<String, serde_json::Value> = rows
+            .into_iter()
+            .map(|(addr, v)| {
+                (
+                    addr,
+                    v.unwrap_or_else(|e| serde_json::json!({ "error": e })),
+                )
+            })
+            .collect();
+        serde_json::to_string_pretty(&out).unwrap() + "\n"
+    } else {
+        stats_table::render(&rows)
+    };
+    // A closed pipe (`memkv stats | head`) is the reader's choice, not an error worth a panic.
+    use std::io::Write;
+    let _ = std::io::stdout().write_all(text.as_bytes());
     Ok(code)
 }
 

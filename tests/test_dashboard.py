@@ -1,0 +1,51 @@
+"""The Grafana dashboard queries only metrics a real `memkv serve --metrics` exports (the tier's
+half is checked where vLLM is installed: tests/tier/test_dashboard_tier.py)."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import numpy as np
+from dashboard import exposed, load, metric_names, queries
+
+from memkv_vllm.client import MemKVClient, Status
+from memkv_vllm.config import MemKVConfig
+
+
+def scrape(server) -> str:
+    port = None
+    for line in server.log().splitlines():
+        if " metrics=127.0.0.1:" in line:
+            port = int(line.split(" metrics=127.0.0.1:")[1].split()[0])
+    assert port, server.log()
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def test_every_server_metric_the_dashboard_queries_is_exported(memkv_server_factory) -> None:
+    srv = memkv_server_factory(metrics=True)
+    c = MemKVClient(MemKVConfig(servers=(srv.address,)))
+    assert c.put([b"d/1"], [np.ones(4096, np.uint8)]) == [Status.OK]
+    c.close()
+    names = {m for m in metric_names(load()) if m.startswith("memkv_")}
+    missing = names - exposed(scrape(srv))
+    assert not missing, f"the dashboard queries metrics the server does not export: {missing}"
+    # What an operator looks at first is all there.
+    for m in ("memkv_hits_total", "memkv_misses_total", "memkv_exists_hits_total",
+              "memkv_bytes_in_total", "memkv_bytes_out_total", "memkv_evictions_total",
+              "memkv_leases_granted_total", "memkv_leases_denied_total", "memkv_errors_total",
+              "memkv_memory_used_bytes", "memkv_memory_capacity_bytes"):
+        assert m in names, m
+
+
+def test_the_dashboard_is_well_formed() -> None:
+    dash = load()
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "instance"}
+    for p in dash["panels"]:
+        if p["type"] != "row":
+            assert p["targets"] and p["description"], p["title"]
+            assert p["datasource"]["uid"] == "${datasource}"
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24
+    assert all(q.count("(") == q.count(")") for q in queries(dash))
