@@ -1,18 +1,24 @@
 //! `memkv serve`: an in-memory store for KV-cache blocks.
 //!
-//! Read top-down: `server` (accept loop, limits, shutdown) hands each socket to `conn`
-//! (framing, auth, commands), which works on the `store` (lanes by key hash); each `lane` holds an
-//! index, S3-FIFO eviction and leases over memory from `arena`; `metrics` counts it all.
+//! Read top-down: `server` (accept loop, shutdown) admits each connection under `limits` and
+//! hands it, as a `transport`, to `conn` (the session: handshake, then requests), which reads and
+//! writes frames through `frame` (deadlines) and runs one module of `cmd` per command on the
+//! `store` (lanes by key hash); each `lane` holds an index, S3-FIFO eviction, leases and pins
+//! over memory from `arena`; `verify` checks GET chunks ahead of the send; `metrics` counts it.
 
 pub mod arena;
+mod cmd;
 pub mod conn;
+pub mod frame;
 pub mod lane;
+pub mod limits;
 pub mod metrics;
 pub mod server;
 pub mod store;
+pub mod transport;
 pub mod verify;
 
-pub use server::{Server, ServerConfig};
+pub use server::{default_buffer_budget, Server, ServerConfig};
 
 /// Parses a size such as `512M`, `4G`, `1GiB`, `65536` (binary units: K = 1024).
 pub fn parse_size(s: &str) -> Result<u64, String> {
