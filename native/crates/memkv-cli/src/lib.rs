@@ -148,6 +148,7 @@ pub fn run(args: Vec<String>) -> i32 {
 }
 
 fn serve(a: ServeArgs) -> Result<i32, String> {
+    memkv_server::tune_allocator();
     let memory = parse_size(&a.memory).map_err(|e| format!("--memory: {e}"))?;
     if a.lanes == 0 || a.lanes > 1024 {
         return Err("--lanes must be between 1 and 1024".into());

@@ -239,6 +239,8 @@ impl<'a, T: Transport> Conn<'a, T> {
                 self.greeted = true;
                 if self.ready() {
                     self.permit.authenticated();
+                } else {
+                    self.permit.greeted();
                 }
                 let reply = HelloReply {
                     auth_required: self.ctx.auth_key.is_some(),

@@ -20,6 +20,21 @@ pub mod verify;
 
 pub use server::{default_buffer_budget, Server, ServerConfig};
 
+/// Tunes the C allocator for a long-running server process (glibc only; elsewhere a no-op):
+/// at most 4 malloc arenas instead of 8 per core, since each reserves 64 MiB of address space
+/// and connection threads allocate little; and a fixed mmap threshold of 1 MiB, so request
+/// buffers above it are always mapped and unmapped whole instead of being kept in an arena
+/// after glibc's dynamic threshold rose. Together they keep the address space and RSS within
+/// the bounds docs/security.md states. Call before starting threads; `memkv serve` does.
+pub fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets allocator parameters; it is called before other threads start.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 4);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
+}
+
 /// Parses a size such as `512M`, `4G`, `1GiB`, `65536` (binary units: K = 1024).
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();

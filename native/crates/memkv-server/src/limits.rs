@@ -14,6 +14,8 @@ pub type Closer = Box<dyn Fn() + Send>;
 
 struct Pending {
     id: u64,
+    /// Sent a well-formed HELLO: a client on its way through the handshake.
+    greeted: bool,
     close: Closer,
     evicted: Arc<AtomicBool>,
 }
@@ -29,8 +31,10 @@ struct Slots {
 
 /// Connection slots. Every open connection holds a `Permit`; dropping it frees the slot. When
 /// all slots are taken, a new connection takes the slot of the oldest connection that has not
-/// authenticated yet (that one is closed), so peers without the key can never lock out a client
-/// that has it; only when every slot is authenticated is a new connection refused.
+/// authenticated yet (that one is closed), so peers without the key cannot lock out a client
+/// that has it. Connections that have not even sent HELLO go first, so a client between its
+/// HELLO and its AUTH survives a flood of silent or garbage connections. A new connection is
+/// refused only when every slot is authenticated.
 pub struct ConnLimits {
     max: usize,
     slots: Mutex<Slots>,
@@ -65,7 +69,8 @@ impl ConnLimits {
     pub fn admit(self: &Arc<Self>, close: Closer) -> Option<Permit> {
         let mut s = self.slots.lock().unwrap();
         if s.open - s.doomed >= self.max {
-            let oldest = s.pending.pop_front()?;
+            let at = s.pending.iter().position(|p| !p.greeted).unwrap_or(0);
+            let oldest = s.pending.remove(at)?;
             oldest.evicted.store(true, Ordering::Relaxed);
             (oldest.close)();
             s.doomed += 1;
@@ -77,6 +82,7 @@ impl ConnLimits {
         let evicted = Arc::new(AtomicBool::new(false));
         s.pending.push_back(Pending {
             id,
+            greeted: false,
             close,
             evicted: evicted.clone(),
         });
@@ -106,6 +112,14 @@ impl ConnLimits {
 }
 
 impl Permit {
+    /// The connection sent a well-formed HELLO: it gives way only after silent ones.
+    pub fn greeted(&self) {
+        let mut s = self.limits.slots.lock().unwrap();
+        if let Some(p) = s.pending.iter_mut().find(|p| p.id == self.id) {
+            p.greeted = true;
+        }
+    }
+
     /// The connection proved it holds the key (or none is needed): it can no longer be evicted.
     pub fn authenticated(&self) {
         let mut s = self.limits.slots.lock().unwrap();
@@ -259,6 +273,22 @@ mod tests {
         let d = lim.admit(closer(&closed[3])).unwrap();
         drop((c, d));
         assert_eq!(lim.wait_all_closed(Duration::from_secs(1)), 0);
+    }
+
+    #[test]
+    fn connections_that_sent_hello_outlast_silent_ones() {
+        let lim = ConnLimits::new(2, Arc::new(Metrics::default()));
+        let closed: Vec<Arc<AtomicBool>> = (0..3).map(|_| Arc::default()).collect();
+        let client = lim.admit(closer(&closed[0])).unwrap();
+        client.greeted();
+        let silent = lim.admit(closer(&closed[1])).unwrap();
+        let next = lim.admit(closer(&closed[2])).unwrap();
+        assert!(closed[1].load(Ordering::Relaxed), "the silent one gave way");
+        assert!(
+            !closed[0].load(Ordering::Relaxed),
+            "the older client mid-handshake stays"
+        );
+        drop((client, silent, next));
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use crate::lane::LaneStats;
 
 /// Error kinds counted separately; each is a label value of `memkv_errors_total`.
-pub const ERROR_KINDS: [&str; 14] = [
+pub const ERROR_KINDS: [&str; 15] = [
     "bad_magic",
     "bad_version",
     "malformed",
@@ -25,6 +25,8 @@ pub const ERROR_KINDS: [&str; 14] = [
     "evicted_unauthenticated",
     "busy",
     "pin_denied",
+    // A connection refused because every slot was taken by an authenticated one.
+    "connection_limit",
 ];
 
 #[derive(Default)]
@@ -126,6 +128,7 @@ impl Metrics {
         m.insert("memory_capacity_bytes".into(), lanes.capacity_bytes.into());
         m.insert("leased_bytes".into(), lanes.leased_bytes.into());
         m.insert("in_transfer_bytes".into(), lanes.in_transfer_bytes.into());
+        m.insert("receiving_bytes".into(), lanes.receiving_bytes.into());
         m.insert("index_bytes".into(), lanes.index_bytes.into());
         m.insert("lanes".into(), n_lanes.into());
         serde_json::Value::Object(m).to_string()
@@ -181,6 +184,12 @@ impl Metrics {
                 "bytes pinned by transfers in progress",
                 "gauge",
                 lanes.in_transfer_bytes,
+            ),
+            (
+                "memkv_receiving_bytes",
+                "bytes of values being received",
+                "gauge",
+                lanes.receiving_bytes,
             ),
             (
                 "memkv_index_bytes",

@@ -21,6 +21,9 @@ use crate::verify::Verifier;
 /// 2 MiB per thread would only inflate the address space at a thousand connections.
 const CONN_STACK: usize = 256 << 10;
 
+/// Pending connections the kernel queues before `accept`.
+const ACCEPT_BACKLOG: i32 = 4096;
+
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub listen: String,
@@ -110,6 +113,10 @@ impl Server {
         })?;
         let store = Arc::new(store);
         let listener = TcpListener::bind(&listen[..])?;
+        // A deeper accept queue than std's 128 (the kernel caps it at somaxconn): a burst of
+        // connections from an attacker must not make a client's SYN wait for a retransmit.
+        // SAFETY: listen(2) on the socket we own; on Linux it updates the backlog in place.
+        unsafe { libc::listen(listener.as_raw_fd(), ACCEPT_BACKLOG) };
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let shutdown = Arc::new(AtomicBool::new(false));
@@ -228,6 +235,7 @@ fn accept_loop(listener: TcpListener, ctx: Arc<ConnCtx>, limits: Arc<ConnLimits>
             }
         };
         let Some(permit) = t.closer().ok().and_then(|c| limits.admit(c)) else {
+            ctx.store.metrics.error("connection_limit");
             if let Some(dropped) = ctx.warn.allow() {
                 tracing::warn!(
                     dropped_warnings = dropped,

@@ -95,6 +95,7 @@ impl Store {
                 capacity_bytes: a.capacity_bytes + b.capacity_bytes,
                 leased_bytes: a.leased_bytes + b.leased_bytes,
                 in_transfer_bytes: a.in_transfer_bytes + b.in_transfer_bytes,
+                receiving_bytes: a.receiving_bytes + b.receiving_bytes,
                 index_bytes: a.index_bytes + b.index_bytes,
                 evictions: a.evictions + b.evictions,
             })
@@ -108,6 +109,20 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn leases_are_cut_to_an_hour() {
+        let s = Store::new(1 << 20, 1, 0.5).unwrap();
+        let r = s.reserve(b"k", 10).ok().unwrap();
+        s.commit(b"k", r, memkv_proto::chunk_checksums(&[0; 10]));
+        let forty_nine_days = Duration::from_millis(u32::MAX as u64);
+        assert_eq!(s.exists(b"k", forty_nine_days).0, Status::Ok);
+        let left = s.lane(b"k").lease_left(b"k").unwrap();
+        assert!(
+            left <= Duration::from_millis(memkv_proto::MAX_LEASE_MS),
+            "{left:?}"
+        );
+    }
 
     #[test]
     fn corrupt_values_are_dropped_not_served() {
