@@ -258,8 +258,8 @@ def test_soak_and_attack(memkv_server_factory):
     stats = srv.stats()
     bound = 2 * MEMORY + BUDGET + RSS_OVERHEAD
     print(f"\nsoak {SOAK_SECS:.0f}s: peak RSS {soak.peak_rss / MIB:.0f} MiB "
-          f"(bound {bound / MIB:.0f} MiB), peak address space {soak.peak_vm / MIB:.0f} MiB (limit {as_limit / MIB:.0f}"
-          f" MiB); round trips "
+          f"(bound {bound / MIB:.0f} MiB), peak address space {soak.peak_vm / MIB:.0f} MiB "
+          f"(limit {as_limit / MIB:.0f} MiB); round trips "
           f"{len(soak.round_trips)} ({soak.retried} retried), "
           f"max {max(soak.round_trips, default=0) * 1e3:.0f} ms; "
           f"verified reads {soak.verified}; errors {stats['errors']}")
