@@ -103,16 +103,12 @@ impl Conn {
     ) -> Result<(Header, Vec<u8>), ConnError> {
         let id = self.next_id;
         self.next_id += 1;
-        let plen: u64 = payload.iter().map(|b| b.len as u64).sum();
-        let hdr = Header::new(op, id, body.len(), plen).encode();
-        let mut parts: Vec<&[u8]> = Vec::with_capacity(2 + payload.len());
-        parts.push(&hdr);
-        parts.push(body);
-        for b in payload {
-            // SAFETY: the caller guarantees each Buf is valid for reads until this call returns.
-            parts.push(unsafe { std::slice::from_raw_parts(b.ptr as *const u8, b.len) });
-        }
-        proto::io::write_all_vectored(&mut self.stream, &parts)?;
+        // SAFETY: the caller guarantees each Buf is valid for reads until this call returns.
+        let values: Vec<&[u8]> = payload
+            .iter()
+            .map(|b| unsafe { std::slice::from_raw_parts(b.ptr as *const u8, b.len) })
+            .collect();
+        proto::io::write_frame(&mut self.stream, op, id, body, &values)?;
         let mut hb = [0u8; HEADER_LEN];
         self.stream.read_exact(&mut hb)?;
         let h = Header::decode(&hb)?;
