@@ -30,7 +30,10 @@ class MemKVServer:
 
     def __init__(self, memory: str = "256M", lanes: int = 4, auth_key: str | None = None,
                  metrics: bool = False, extra: list[str] | None = None,
-                 listen: str = "127.0.0.1:0") -> None:
+                 listen: str = "127.0.0.1:0", wrapper: list[str] | None = None) -> None:
+        # `wrapper` runs the server through another command that execs it (e.g. prlimit), so the
+        # process id stays the server's.
+        self.wrapper = wrapper or []
         self.args = ["serve", "--listen", listen, "--memory", memory, "--lanes", str(lanes)]
         if auth_key:
             self.args += ["--auth-key", auth_key]
@@ -45,8 +48,8 @@ class MemKVServer:
         env = {k: v for k, v in os.environ.items() if k != "MEMKV_AUTH_KEY"}
         # stderr goes to a file: a pipe nobody drains would block the server once full.
         self._log = tempfile.NamedTemporaryFile("w+", prefix="memkv-", suffix=".log")
-        self.proc = subprocess.Popen(memkv_command() + self.args, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, env=env)
+        self.proc = subprocess.Popen(self.wrapper + memkv_command() + self.args,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
         deadline = time.monotonic() + timeout
         assert self.proc.stdout is not None
         while time.monotonic() < deadline:

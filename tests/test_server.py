@@ -26,10 +26,8 @@ def header(op: int, body_len: int, payload_len: int = 0, rid: int = 1, magic: by
 
 
 def key_lens(items: list[tuple[bytes, int]]) -> bytes:
-    out = struct.pack("<I", len(items))
-    for k, n in items:
-        out += struct.pack("<H", len(k)) + k + struct.pack("<Q", n)
-    return out
+    return struct.pack("<I", len(items)) + b"".join(
+        struct.pack("<H", len(k)) + k + struct.pack("<Q", n) for k, n in items)
 
 
 def recv_exact(s: socket.socket, n: int) -> bytes:

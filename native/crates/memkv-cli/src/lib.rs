@@ -60,16 +60,32 @@ struct ServeArgs {
     /// 64 hex characters; clients must prove they hold it (HMAC-SHA256 challenge).
     #[arg(long, env = "MEMKV_AUTH_KEY", hide_env_values = true)]
     auth_key: Option<String>,
-    /// Serve Prometheus metrics over HTTP at HOST:PORT/metrics.
+    /// Serve Prometheus metrics over HTTP at HOST:PORT/metrics. No credentials are asked there:
+    /// bind it to loopback or a private network.
     #[arg(long, env = "MEMKV_METRICS", hide_env_values = true)]
     metrics: Option<String>,
-    /// Client connections open at once; beyond it a new connection is refused with an error
-    /// frame (authenticated or not), so a flood cannot exhaust threads or memory.
+    /// Open connections at most. When all are taken, a new one replaces the oldest that has not
+    /// authenticated yet; it is refused only when every one has.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
-    /// Share of each lane's memory that leases may pin (0..1).
+    /// Share of each lane's memory that may be pinned: leased by EXISTS, or being sent or
+    /// received (0..1).
     #[arg(long, default_value_t = 0.5)]
     max_leased_fraction: f64,
+    /// Seconds a new connection has to finish its handshake (HELLO, and AUTH with a key).
+    #[arg(long, default_value_t = 10.0)]
+    handshake_timeout: f64,
+    /// Seconds any request or reply may take on top of its bytes at --min-rate.
+    #[arg(long, default_value_t = 30.0)]
+    frame_timeout: f64,
+    /// Slowest transfer accepted for a request or reply, bytes per second (e.g. 1M); a slower
+    /// peer is cut off.
+    #[arg(long, default_value = "1M")]
+    min_rate: String,
+    /// Memory for request bodies and reply tables over all connections [default: a quarter of
+    /// --memory, within 64M..1G].
+    #[arg(long)]
+    max_buffer_memory: Option<String>,
 }
 
 #[derive(Args, Clone)]
@@ -169,6 +185,7 @@ pub fn run(args: Vec<String>) -> i32 {
 }
 
 fn serve(a: ServeArgs) -> Result<i32, String> {
+    memkv_server::tune_allocator();
     let memory = parse_size(&a.memory).map_err(|e| format!("--memory: {e}"))?;
     if a.lanes == 0 || a.lanes > 1024 {
         return Err("--lanes must be between 1 and 1024".into());
@@ -181,6 +198,26 @@ fn serve(a: ServeArgs) -> Result<i32, String> {
     }
     if !(0.0..=1.0).contains(&a.max_leased_fraction) {
         return Err("--max-leased-fraction must be within 0..1".into());
+    }
+    let secs = |flag: &str, v: f64| {
+        if v.is_finite() && v > 0.0 && v < 1e6 {
+            Ok(Duration::from_secs_f64(v))
+        } else {
+            Err(format!("{flag} must be a number of seconds above 0"))
+        }
+    };
+    let min_rate = parse_size(&a.min_rate).map_err(|e| format!("--min-rate: {e}"))?;
+    if min_rate == 0 {
+        return Err("--min-rate must be above 0".into());
+    }
+    let buffer_budget = a
+        .max_buffer_memory
+        .as_deref()
+        .map(parse_size)
+        .transpose()
+        .map_err(|e| format!("--max-buffer-memory: {e}"))?;
+    if buffer_budget.is_some_and(|b| b < 2 * memkv_proto::MAX_BODY_LEN as u64) {
+        return Err("--max-buffer-memory must be at least 32M (two largest request bodies)".into());
     }
     let auth_key = a
         .auth_key
@@ -196,6 +233,10 @@ fn serve(a: ServeArgs) -> Result<i32, String> {
         metrics_listen: a.metrics,
         max_connections: a.max_connections,
         max_leased_fraction: a.max_leased_fraction,
+        handshake_timeout: secs("--handshake-timeout", a.handshake_timeout)?,
+        frame_timeout: secs("--frame-timeout", a.frame_timeout)?,
+        min_rate,
+        buffer_budget,
         ..ServerConfig::default()
     };
     let server = Server::start(cfg).map_err(|e| format!("cannot start on {}: {e}", a.listen))?;

@@ -74,16 +74,29 @@ impl ConnError {
                     | ErrorCode::BadOpcode
                     | ErrorCode::Malformed,
                 ) => Status::ProtocolError,
-                Some(ErrorCode::ShuttingDown | ErrorCode::Internal) | None => Status::Unavailable,
+                // Stalled: the server cut this connection off because the request arrived too
+                // slowly (the path is the problem, as with a client-side timeout).
+                Some(ErrorCode::Stalled) => Status::Timeout,
+                Some(ErrorCode::ShuttingDown | ErrorCode::Internal | ErrorCode::Busy) | None => {
+                    Status::Unavailable
+                }
             },
         }
     }
 
     /// Whether the server should be skipped for a while: true for failures of the server or of
     /// the path to it, false for a request the server refused as too large (the server is fine;
-    /// only that request was wrong).
+    /// only that request was wrong) or refused for want of request-buffer memory at this moment
+    /// (`Busy`: the next request may well pass; skipping the server would turn its keys into
+    /// misses for everyone).
     pub fn marks_down(&self) -> bool {
-        self.status() != Status::TooLarge
+        !matches!(
+            self,
+            ConnError::Server {
+                code: Some(ErrorCode::TooLarge | ErrorCode::Busy),
+                ..
+            }
+        )
     }
 }
 
@@ -133,16 +146,12 @@ impl Conn {
     ) -> Result<(Header, Vec<u8>), ConnError> {
         let id = self.next_id;
         self.next_id += 1;
-        let plen: u64 = payload.iter().map(|b| b.len as u64).sum();
-        let hdr = Header::new(op, id, body.len(), plen).encode();
-        let mut parts: Vec<&[u8]> = Vec::with_capacity(2 + payload.len());
-        parts.push(&hdr);
-        parts.push(body);
-        for b in payload {
-            // SAFETY: the caller guarantees each Buf is valid for reads until this call returns.
-            parts.push(unsafe { std::slice::from_raw_parts(b.ptr as *const u8, b.len) });
-        }
-        proto::io::write_all_vectored(&mut self.link, &parts)?;
+        // SAFETY: the caller guarantees each Buf is valid for reads until this call returns.
+        let values: Vec<&[u8]> = payload
+            .iter()
+            .map(|b| unsafe { std::slice::from_raw_parts(b.ptr as *const u8, b.len) })
+            .collect();
+        proto::io::write_frame(&mut self.link, op, id, body, &values)?;
         let mut hb = [0u8; HEADER_LEN];
         self.link.read_exact(&mut hb)?;
         let h = Header::decode(&hb)?;

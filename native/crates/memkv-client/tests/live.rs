@@ -171,6 +171,15 @@ fn stalled_frame_is_dropped_after_the_frame_timeout() {
     raw.write_all(&[1u8; 10]).unwrap();
     raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let t = Instant::now();
+    // The server answers the stalled request with an ERROR frame (code Stalled), then closes.
+    let mut hb = [0u8; memkv_proto::HEADER_LEN];
+    raw.read_exact(&mut hb).unwrap();
+    let h = Header::decode(&hb).unwrap();
+    assert_eq!(h.opcode, Opcode::Error);
+    let mut err = vec![0u8; h.body_len as usize];
+    raw.read_exact(&mut err).unwrap();
+    let (code, _) = memkv_proto::decode_error(&err).unwrap();
+    assert_eq!(code, Some(memkv_proto::ErrorCode::Stalled));
     assert_eq!(
         raw.read(&mut buf).unwrap_or(0),
         0,

@@ -1,7 +1,27 @@
-//! The socket helpers both sides share: writing a frame's parts with vectored writes, reading
-//! values in pieces.
+//! The socket helpers both sides share: writing a frame (header, body, payload) with vectored
+//! writes, reading values in pieces.
 
 use std::io::{self, IoSlice, Read, Write};
+
+use crate::{Header, Opcode};
+
+/// Writes one whole frame: its header (made here from the parts' lengths), its control body and
+/// its payload pieces, back to back, with as few `writev` calls as the writer allows.
+pub fn write_frame(
+    w: &mut impl Write,
+    op: Opcode,
+    request_id: u64,
+    body: &[u8],
+    payload: &[&[u8]],
+) -> io::Result<()> {
+    let plen: u64 = payload.iter().map(|p| p.len() as u64).sum();
+    let hdr = Header::new(op, request_id, body.len(), plen).encode();
+    let mut parts: Vec<&[u8]> = Vec::with_capacity(2 + payload.len());
+    parts.push(&hdr);
+    parts.push(body);
+    parts.extend_from_slice(payload);
+    write_all_vectored(w, &parts)
+}
 
 /// Values are read from a socket at most this many bytes per `read`. A piece lands in the core's
 /// L2 cache, where the server hashes a PUT's bytes (1 MiB reads measured ~20% slower PUTs), and
@@ -90,6 +110,15 @@ mod tests {
         let mut more = [0u8; 2];
         let err = read_exact_in_pieces(&mut src, &mut more).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+    }
+
+    #[test]
+    fn a_frame_is_its_header_body_and_payload_back_to_back() {
+        let mut w = Trickle(Vec::new());
+        write_frame(&mut w, Opcode::Put, 7, b"body", &[b"ab", b"", b"cde"]).unwrap();
+        let h = Header::decode(w.0[..crate::HEADER_LEN].try_into().unwrap()).unwrap();
+        assert_eq!(h, Header::new(Opcode::Put, 7, 4, 5));
+        assert_eq!(&w.0[crate::HEADER_LEN..], b"bodyabcde");
     }
 
     #[test]

@@ -19,6 +19,8 @@ pub const MAX_KEY_LEN: usize = 1024;
 pub const MAX_BATCH: usize = 65_536;
 /// Largest control body (key and status tables, stats JSON). Values travel in the payload.
 pub const MAX_BODY_LEN: u32 = 16 << 20;
+/// Longest lease EXISTS grants (1 h); a longer `lease_ms` is cut to it. Clients cap it alike.
+pub const MAX_LEASE_MS: u64 = 3_600_000;
 /// Length of the auth challenge nonce and of the HMAC-SHA256 answer.
 pub const NONCE_LEN: usize = 32;
 
@@ -151,6 +153,11 @@ pub enum ErrorCode {
     AuthFailed = 7,
     ShuttingDown = 8,
     Internal = 9,
+    /// A frame (request or reply) missed its deadline: the frame timeout plus its bytes at the
+    /// server's minimum transfer rate; or a handshake that was not done in time.
+    Stalled = 10,
+    /// The server's buffer memory stayed taken by other requests until this one's deadline.
+    Busy = 11,
 }
 
 impl ErrorCode {
@@ -166,6 +173,8 @@ impl ErrorCode {
             7 => AuthFailed,
             8 => ShuttingDown,
             9 => Internal,
+            10 => Stalled,
+            11 => Busy,
             _ => return None,
         })
     }

@@ -11,6 +11,11 @@ use std::sync::{Arc, Mutex};
 /// Allocation granularity: keeps values cache-line aligned.
 const ALIGN: u64 = 64;
 
+/// Bytes of the arena a value of `len` bytes occupies.
+pub fn footprint(len: u64) -> u64 {
+    len.max(1).div_ceil(ALIGN) * ALIGN
+}
+
 pub struct Region {
     base: *mut u8,
     len: usize,
@@ -124,7 +129,7 @@ impl LaneMemory {
 
     /// First-fit allocation of `len` bytes (rounded up to ALIGN). None when no free span fits.
     pub fn alloc(self: &Arc<Self>, len: u64) -> Option<Span> {
-        let need = len.max(1).div_ceil(ALIGN) * ALIGN;
+        let need = footprint(len);
         let mut fl = self.free.lock().unwrap();
         let (&off, &flen) = fl.spans.iter().find(|(_, &l)| l >= need)?;
         fl.spans.remove(&off);

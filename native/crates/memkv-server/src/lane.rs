@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use memkv_proto::Status;
 
-use crate::arena::{LaneMemory, Span};
+use crate::arena::{footprint, LaneMemory, Span};
 
 /// A committed value. Shared (Arc) between the index and readers streaming it out.
 pub struct Value {
@@ -41,9 +41,65 @@ impl Value {
     }
 }
 
-/// A reserved, not yet visible value: becomes visible only through `Lane::commit`.
-pub struct Reservation {
-    pub span: Span,
+/// Heap bytes charged per index entry on top of its key and checksums: the hash table slot (at
+/// its worst load factor), the key's and the value's allocations, its places in the eviction
+/// queues (which hold up to twice the live entries before compaction), a lease heap item and a
+/// ghost. docs/security.md states the bound this gives.
+pub const ENTRY_OVERHEAD: u64 = 512;
+
+/// What an entry of `key_len` and `len` bytes is charged for its index memory.
+pub fn index_charge(key_len: usize, len: u64) -> u64 {
+    let chunks = len.div_ceil(memkv_proto::CHECKSUM_CHUNK as u64).max(1);
+    ENTRY_OVERHEAD + key_len as u64 + 8 * chunks
+}
+
+/// A reserved, not yet visible value: becomes visible only through `Lane::commit`. While it is
+/// filled it counts as bytes being received and its index charge is held; dropping it
+/// uncommitted (a connection lost mid-value) gives back both and its memory.
+pub struct Reservation<'a> {
+    span: Option<Span>,
+    lane: &'a Lane,
+    charge: u64,
+}
+
+impl Reservation<'_> {
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        self.span
+            .as_mut()
+            .expect("filled before commit")
+            .as_mut_slice()
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if let Some(span) = self.span.take() {
+            let mut inner = self.lane.inner.lock().unwrap();
+            inner.index_bytes -= self.charge;
+            inner.receiving -= span.len();
+            drop(inner);
+            drop(span);
+        }
+    }
+}
+
+/// A committed value being sent: counted as pinned until dropped (the reply ended).
+pub struct Pinned<'a> {
+    pub value: Arc<Value>,
+    lane: &'a Lane,
+}
+
+impl std::ops::Deref for Pinned<'_> {
+    type Target = Arc<Value>;
+    fn deref(&self) -> &Arc<Value> {
+        &self.value
+    }
+}
+
+impl Drop for Pinned<'_> {
+    fn drop(&mut self) {
+        self.lane.inner.lock().unwrap().in_transfer -= self.value.span.len();
+    }
 }
 
 struct Entry {
@@ -52,6 +108,8 @@ struct Entry {
     freq: u8,
     in_main: bool,
     lease_until: Option<Instant>,
+    /// Index bytes charged for this entry (`index_charge`).
+    charge: u64,
 }
 
 type Key = Arc<[u8]>;
@@ -65,7 +123,39 @@ struct Inner {
     ghost_order: VecDeque<u64>,
     leases: BinaryHeap<Reverse<(Instant, u64, Key)>>,
     leased_bytes: u64,
+    /// Bytes of values being sent.
+    in_transfer: u64,
+    /// Bytes of reservations being filled.
+    receiving: u64,
+    /// Index memory charged against the lane's capacity, with the value bytes.
+    index_bytes: u64,
     next_gen: u64,
+}
+
+impl Inner {
+    fn pinned(&self) -> u64 {
+        self.leased_bytes + self.in_transfer
+    }
+
+    /// Queue items go stale when a key is overwritten or deleted; they are dropped once they
+    /// outnumber the live entries, so overwrites cannot grow the queues without bound.
+    fn compact(&mut self) {
+        let live = 2 * self.index.len() + 64;
+        let index = &self.index;
+        let current = |k: &Key, g: u64| index.get(k).is_some_and(|e| e.gen == g);
+        if self.small.len() + self.main.len() > live {
+            self.small.retain(|(k, g)| current(k, *g));
+            self.main.retain(|(k, g)| current(k, *g));
+        }
+        if self.leases.len() > live {
+            let leased = |k: &Key, g: u64, u: Instant| {
+                index
+                    .get(k)
+                    .is_some_and(|e| e.gen == g && e.lease_until == Some(u))
+            };
+            self.leases.retain(|Reverse((u, g, k))| leased(k, *g, *u));
+        }
+    }
 }
 
 /// Counters a lane reports; summed over lanes by the store.
@@ -75,20 +165,24 @@ pub struct LaneStats {
     pub used_bytes: u64,
     pub capacity_bytes: u64,
     pub leased_bytes: u64,
+    pub in_transfer_bytes: u64,
+    pub receiving_bytes: u64,
+    pub index_bytes: u64,
     pub evictions: u64,
 }
 
 pub struct Lane {
     mem: Arc<LaneMemory>,
     inner: Mutex<Inner>,
-    max_leased_bytes: u64,
+    /// Bound on pinned bytes (leased or being sent), and on bytes being received.
+    max_pinned_bytes: u64,
     evictions: std::sync::atomic::AtomicU64,
 }
 
 impl Lane {
     pub fn new(bytes: usize, max_leased_fraction: f64) -> std::io::Result<Lane> {
         let mem = LaneMemory::new(bytes)?;
-        let max_leased_bytes = (mem.capacity() as f64 * max_leased_fraction) as u64;
+        let max_pinned_bytes = (mem.capacity() as f64 * max_leased_fraction) as u64;
         Ok(Lane {
             mem,
             inner: Mutex::new(Inner {
@@ -100,9 +194,12 @@ impl Lane {
                 ghost_order: VecDeque::new(),
                 leases: BinaryHeap::new(),
                 leased_bytes: 0,
+                in_transfer: 0,
+                receiving: 0,
+                index_bytes: 0,
                 next_gen: 1,
             }),
-            max_leased_bytes,
+            max_pinned_bytes,
             evictions: Default::default(),
         })
     }
@@ -111,41 +208,67 @@ impl Lane {
         self.mem.capacity()
     }
 
-    /// Reserves room for a value of `len` bytes, evicting as needed. The caller fills the span
-    /// without any lock held, then commits it.
-    pub fn reserve(&self, len: u64) -> Result<Reservation, Status> {
-        if len > self.capacity() {
+    /// The largest value a key of `key_len` bytes can have here, its index charge included.
+    pub fn max_value_len(&self, key_len: usize) -> u64 {
+        // Less one alignment unit, the most `footprint` rounds a value up.
+        self.capacity()
+            .saturating_sub(index_charge(key_len, self.capacity()) + 64)
+    }
+
+    /// Whether `len` more pinned bytes fit the bound. A lane with nothing pinned always takes
+    /// one value, so a value larger than the bound can still be stored and read.
+    fn may_pin(&self, inner: &Inner, len: u64) -> bool {
+        inner.pinned() == 0 || inner.pinned() + len <= self.max_pinned_bytes
+    }
+
+    /// Reserves room for a value of `len` bytes under a key of `key_len` bytes, evicting as
+    /// needed so that values and index together stay within the lane's capacity. The caller
+    /// fills the span without any lock held, then commits it. NoSpace when nothing more can be
+    /// evicted or the bytes being received are at their bound (the same share as pins: slow
+    /// writers cannot reserve the whole lane, nor readers pin it).
+    pub fn reserve(&self, key_len: usize, len: u64) -> Result<Reservation<'_>, Status> {
+        let charge = index_charge(key_len, len);
+        if footprint(len).saturating_add(charge) > self.capacity() {
             return Err(Status::TooLarge);
         }
-        if let Some(span) = self.mem.alloc(len) {
-            return Ok(Reservation { span });
+        let mut guard = self.inner.lock().unwrap();
+        let inner = &mut *guard;
+        if inner.receiving > 0 && inner.receiving + len > self.max_pinned_bytes {
+            return Err(Status::NoSpace);
         }
-        let mut inner = self.inner.lock().unwrap();
         loop {
-            if let Some(span) = self.mem.alloc(len) {
-                return Ok(Reservation { span });
+            let need = footprint(len) + charge;
+            let room = self.mem.used() + inner.index_bytes + need <= self.capacity();
+            if let Some(span) = room.then(|| self.mem.alloc(len)).flatten() {
+                inner.index_bytes += charge;
+                inner.receiving += len;
+                return Ok(Reservation {
+                    span: Some(span),
+                    lane: self,
+                    charge,
+                });
             }
-            if !self.evict_one(&mut inner) {
+            if !self.evict_one(inner) {
                 return Err(Status::NoSpace);
             }
         }
     }
 
     /// Makes a filled reservation visible under `key`, replacing any older value.
-    pub fn commit(&self, key: &[u8], res: Reservation, checksums: Vec<u64>) {
-        let value = Arc::new(Value {
-            span: res.span,
-            checksums,
-        });
+    pub fn commit(&self, key: &[u8], mut res: Reservation<'_>, checksums: Vec<u64>) {
+        let span = res.span.take().expect("committed once");
+        let charge = res.charge;
+        let value = Arc::new(Value { span, checksums });
         let key: Key = Arc::from(key);
         let mut guard = self.inner.lock().unwrap();
         let inner = &mut *guard;
+        let len = value.span.len();
+        inner.receiving -= len;
         self.remove_locked(inner, &key);
         let gen = inner.next_gen;
         inner.next_gen += 1;
         let h = ghost_hash(&key);
         let in_main = inner.ghost.remove(&h);
-        let len = value.span.len();
         if in_main {
             inner.main.push_back((key.clone(), gen));
         } else {
@@ -160,8 +283,10 @@ impl Lane {
                 freq: 0,
                 in_main,
                 lease_until: None,
+                charge,
             },
         );
+        inner.compact();
     }
 
     /// EXISTS: the status and value length; with `lease` > 0 a hit is protected from eviction
@@ -180,7 +305,7 @@ impl Lane {
         }
         let until = now + lease;
         if leased.is_none() {
-            if inner.leased_bytes + len > self.max_leased_bytes {
+            if inner.pinned() + len > self.max_pinned_bytes {
                 return (Status::OkNoLease, len);
             }
             inner.leased_bytes += len;
@@ -188,22 +313,33 @@ impl Lane {
         if leased.is_none_or(|u| u < until) {
             inner.index.get_mut(key).unwrap().lease_until = Some(until);
             inner.leases.push(Reverse((until, gen, k)));
+            inner.compact();
         }
         (Status::Ok, len)
     }
 
-    /// GET: takes a reference to the value (so eviction cannot free it mid-send), counts the
-    /// access for S3-FIFO and releases any lease on it.
-    pub fn fetch(&self, key: &[u8]) -> Option<Arc<Value>> {
+    /// GET: takes a pinned reference to the value (so eviction cannot free it mid-send), counts
+    /// the access for S3-FIFO and turns any lease on it into the transfer's pin. Err(NoSpace)
+    /// when pinning it would pass the lane's bound on pinned bytes.
+    pub fn fetch(&self, key: &[u8]) -> Result<Option<Pinned<'_>>, Status> {
         let mut guard = self.inner.lock().unwrap();
         let inner = &mut *guard;
         expire_leases(inner, Instant::now());
-        let e = inner.index.get_mut(key)?;
+        let Some(e) = inner.index.get(key) else {
+            return Ok(None);
+        };
+        let (len, leased) = (e.value.span.len(), e.lease_until.is_some());
+        if !leased && !self.may_pin(inner, len) {
+            return Err(Status::NoSpace);
+        }
+        let e = inner.index.get_mut(key).unwrap();
         e.freq = (e.freq + 1).min(3);
         if e.lease_until.take().is_some() {
-            inner.leased_bytes -= e.value.span.len();
+            inner.leased_bytes -= len;
         }
-        Some(e.value.clone())
+        let value = e.value.clone();
+        inner.in_transfer += len;
+        Ok(Some(Pinned { value, lane: self }))
     }
 
     /// Drops `key` if it still holds `value` (used after a checksum mismatch).
@@ -235,6 +371,9 @@ impl Lane {
             used_bytes: self.mem.used(),
             capacity_bytes: self.capacity(),
             leased_bytes: inner.leased_bytes,
+            in_transfer_bytes: inner.in_transfer,
+            receiving_bytes: inner.receiving,
+            index_bytes: inner.index_bytes,
             evictions: self.evictions.load(std::sync::atomic::Ordering::Relaxed),
         }
     }
@@ -251,6 +390,7 @@ impl Lane {
         if e.lease_until.is_some() {
             inner.leased_bytes -= e.value.span.len();
         }
+        inner.index_bytes -= e.charge;
         true
     }
 
@@ -323,6 +463,16 @@ impl Lane {
     }
 }
 
+#[cfg(test)]
+impl Lane {
+    /// How long the lease on `key` has left, if it has one.
+    pub fn lease_left(&self, key: &[u8]) -> Option<Duration> {
+        let inner = self.inner.lock().unwrap();
+        let until = inner.index.get(key)?.lease_until?;
+        Some(until.saturating_duration_since(Instant::now()))
+    }
+}
+
 fn ghost_hash(key: &[u8]) -> u64 {
     twox_hash::XxHash3_64::oneshot_with_seed(0x67_686f_7374, key)
 }
@@ -348,11 +498,20 @@ fn expire_leases(inner: &mut Inner, now: Instant) {
 mod tests {
     use super::*;
 
-    fn put(l: &Lane, k: &str, len: u64) -> Status {
-        match l.reserve(len) {
+    /// Values in these tests are V bytes under 2-byte keys.
+    const V: u64 = 4096;
+
+    /// A lane that holds exactly `n` values of V bytes, index charges included.
+    fn lane(n: u64, max_pinned_fraction: f64) -> Lane {
+        let bytes = n * (V + index_charge(2, V)) + 63;
+        Lane::new(bytes as usize, max_pinned_fraction).unwrap()
+    }
+
+    fn put_len(l: &Lane, k: &str, len: u64) -> Status {
+        match l.reserve(k.len(), len) {
             Ok(mut r) => {
-                r.span.as_mut_slice().fill(k.as_bytes()[0]);
-                let c = memkv_proto::chunk_checksums(r.span.as_slice());
+                r.bytes_mut().fill(k.as_bytes()[0]);
+                let c = memkv_proto::chunk_checksums(r.bytes_mut());
                 l.commit(k.as_bytes(), r, c);
                 Status::Ok
             }
@@ -360,22 +519,33 @@ mod tests {
         }
     }
 
+    fn put(l: &Lane, k: &str) -> Status {
+        put_len(l, k, V)
+    }
+
     fn has(l: &Lane, k: &str) -> bool {
         l.exists(k.as_bytes(), Duration::ZERO).0 == Status::Ok
     }
 
+    fn fetch<'a>(l: &'a Lane, k: &str) -> Pinned<'a> {
+        match l.fetch(k.as_bytes()) {
+            Ok(Some(p)) => p,
+            _ => panic!("{k} not served"),
+        }
+    }
+
     #[test]
     fn one_hit_wonders_go_first_and_read_values_survive() {
-        let l = Lane::new(10 * 1024, 0.5).unwrap();
+        let l = lane(10, 0.5);
         for i in 0..10 {
-            assert_eq!(put(&l, &format!("k{i}"), 1024), Status::Ok);
+            assert_eq!(put(&l, &format!("k{i}")), Status::Ok);
         }
         // Read k0 and k1 so they are promoted instead of evicted.
         for k in ["k0", "k1"] {
-            assert!(l.fetch(k.as_bytes()).is_some());
+            drop(fetch(&l, k));
         }
-        assert_eq!(put(&l, "new1", 1024), Status::Ok);
-        assert_eq!(put(&l, "new2", 1024), Status::Ok);
+        assert_eq!(put(&l, "n1"), Status::Ok);
+        assert_eq!(put(&l, "n2"), Status::Ok);
         assert!(has(&l, "k0") && has(&l, "k1"), "read values must survive");
         assert!(
             !has(&l, "k2") && !has(&l, "k3"),
@@ -386,46 +556,48 @@ mod tests {
 
     #[test]
     fn leased_and_in_transfer_values_are_not_evicted() {
-        let l = Lane::new(4 * 1024, 1.0).unwrap();
+        let l = lane(4, 1.0);
         for k in ["a", "b", "c", "d"] {
-            put(&l, k, 1024);
+            put(&l, k);
         }
         assert_eq!(l.exists(b"a", Duration::from_secs(60)).0, Status::Ok);
-        let held = match l.fetch(b"b") {
-            Some(v) => v,
-            None => panic!("b missing"),
-        };
-        put(&l, "e", 1024);
-        put(&l, "f", 1024);
+        let held = fetch(&l, "b");
+        put(&l, "e");
+        put(&l, "f");
         assert!(has(&l, "a"), "leased value evicted");
         assert!(has(&l, "b"), "value in transfer evicted");
         assert!(held.span.as_slice().iter().all(|&x| x == b'b'));
         // Everything left is pinned: a new put finds no space rather than evicting a pinned one.
         l.exists(b"e", Duration::from_secs(60));
         l.exists(b"f", Duration::from_secs(60));
-        assert_eq!(put(&l, "g", 1024), Status::NoSpace);
+        assert_eq!(put(&l, "g"), Status::NoSpace);
         drop(held);
     }
 
     #[test]
     fn leases_expire_and_get_releases_them() {
-        let l = Lane::new(4 * 1024, 1.0).unwrap();
-        put(&l, "a", 1024);
+        let l = lane(4, 1.0);
+        put(&l, "a");
         l.exists(b"a", Duration::from_millis(30));
-        assert_eq!(l.stats().leased_bytes, 1024);
+        assert_eq!(l.stats().leased_bytes, V);
         std::thread::sleep(Duration::from_millis(50));
         assert_eq!(l.stats().leased_bytes, 0);
         l.exists(b"a", Duration::from_secs(60));
-        assert_eq!(l.stats().leased_bytes, 1024);
-        let _ = l.fetch(b"a");
-        assert_eq!(l.stats().leased_bytes, 0);
+        assert_eq!(l.stats().leased_bytes, V);
+        let p = fetch(&l, "a");
+        assert_eq!(
+            (l.stats().leased_bytes, l.stats().in_transfer_bytes),
+            (0, V)
+        );
+        drop(p);
+        assert_eq!(l.stats().in_transfer_bytes, 0);
     }
 
     #[test]
     fn leased_bytes_are_bounded() {
-        let l = Lane::new(4 * 1024, 0.5).unwrap();
+        let l = lane(4, 0.5);
         for k in ["a", "b", "c"] {
-            put(&l, k, 1024);
+            put(&l, k);
         }
         assert_eq!(l.exists(b"a", Duration::from_secs(9)).0, Status::Ok);
         assert_eq!(l.exists(b"b", Duration::from_secs(9)).0, Status::Ok);
@@ -433,14 +605,73 @@ mod tests {
     }
 
     #[test]
+    fn values_in_transfer_count_against_the_pinned_bound() {
+        let l = lane(8, 0.5);
+        for k in ["a", "b", "c", "d", "e", "f"] {
+            put(&l, k);
+        }
+        // A slow reader holds four values mid-send: half the lane, the whole bound.
+        let held: Vec<Pinned> = ["a", "b", "c", "d"].iter().map(|k| fetch(&l, k)).collect();
+        assert_eq!(l.fetch(b"e").err(), Some(Status::NoSpace));
+        assert_eq!(l.exists(b"e", Duration::from_secs(9)).0, Status::OkNoLease);
+        // Writers are bounded apart from readers: new values still find room by evicting,
+        // up to half the lane being received at once.
+        let rs: Vec<Reservation> = (0..4).map(|_| l.reserve(1, V).ok().unwrap()).collect();
+        assert_eq!(l.reserve(1, V).err(), Some(Status::NoSpace));
+        drop(rs);
+        drop(held);
+        assert_eq!(l.stats().in_transfer_bytes, 0);
+        assert!(matches!(l.fetch(b"a"), Ok(Some(_))));
+    }
+
+    #[test]
+    fn an_uncommitted_reservation_gives_back_its_memory_charge_and_pin() {
+        let l = lane(2, 0.5);
+        let r = l.reserve(1, V).ok().unwrap();
+        assert!(l.stats().index_bytes > 0 && l.stats().receiving_bytes == V);
+        drop(r);
+        let s = l.stats();
+        assert_eq!((s.used_bytes, s.index_bytes, s.receiving_bytes), (0, 0, 0));
+    }
+
+    #[test]
     fn overwrite_and_delete_free_memory() {
-        let l = Lane::new(4 * 1024, 0.5).unwrap();
-        put(&l, "a", 1024);
-        put(&l, "a", 2048);
+        let l = lane(4, 0.5);
+        put_len(&l, "a", 1024);
+        put_len(&l, "a", 2048);
         assert_eq!(l.stats().used_bytes, 2048);
+        assert_eq!(l.stats().index_bytes, index_charge(1, 2048));
         assert_eq!(l.delete(b"a"), Status::Ok);
         assert_eq!(l.delete(b"a"), Status::NotFound);
-        assert_eq!(l.stats().used_bytes, 0);
-        assert_eq!(put(&l, "big", 8192), Status::TooLarge);
+        assert_eq!((l.stats().used_bytes, l.stats().index_bytes), (0, 0));
+        assert_eq!(put_len(&l, "big", 8 * V), Status::TooLarge);
+    }
+
+    #[test]
+    fn overwrites_and_lease_renewals_do_not_grow_the_queues() {
+        let l = lane(4, 0.5);
+        for i in 0..100_000u64 {
+            put_len(&l, "a", 64);
+            l.exists(b"a", Duration::from_secs(1 + i % 7));
+        }
+        let inner = l.inner.lock().unwrap();
+        let queued = inner.small.len() + inner.main.len();
+        assert!(queued <= 2 * inner.index.len() + 64, "{queued} queue items");
+        assert!(inner.leases.len() <= 2 * inner.index.len() + 64);
+    }
+
+    #[test]
+    fn index_memory_counts_against_the_capacity() {
+        // Tiny values under long keys: the index, not the values, fills the lane.
+        let l = Lane::new(1 << 20, 0.5).unwrap();
+        let key = |i: u32| format!("{i:01000}");
+        for i in 0..10_000 {
+            assert_eq!(put_len(&l, &key(i), 1), Status::Ok);
+        }
+        let s = l.stats();
+        assert!(s.used_bytes + s.index_bytes <= l.capacity());
+        let per = 64 + index_charge(1000, 1);
+        assert!(s.items <= l.capacity() / per, "{} items", s.items);
+        assert!(s.evictions >= 10_000 - l.capacity() / per);
     }
 }

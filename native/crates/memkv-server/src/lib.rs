@@ -1,18 +1,39 @@
 //! `memkv serve`: an in-memory store for KV-cache blocks.
 //!
-//! Read top-down: `server` (accept loop, limits, shutdown) hands each socket to `conn`
-//! (framing, auth, commands), which works on the `store` (lanes by key hash); each `lane` holds an
-//! index, S3-FIFO eviction and leases over memory from `arena`; `metrics` counts it all.
+//! Read top-down: `server` (accept loop, shutdown) admits each connection under `limits` and
+//! hands it, as a `transport`, to `conn` (the session: handshake, then requests), which reads and
+//! writes frames through `frame` (deadlines) and runs one module of `cmd` per command on the
+//! `store` (lanes by key hash); each `lane` holds an index, S3-FIFO eviction, leases and pins
+//! over memory from `arena`; `verify` checks GET chunks ahead of the send; `metrics` counts it.
 
 pub mod arena;
+mod cmd;
 pub mod conn;
+pub mod frame;
 pub mod lane;
+pub mod limits;
 pub mod metrics;
 pub mod server;
 pub mod store;
+pub mod transport;
 pub mod verify;
 
-pub use server::{Server, ServerConfig};
+pub use server::{default_buffer_budget, Server, ServerConfig};
+
+/// Tunes the C allocator for a long-running server process (glibc only; elsewhere a no-op):
+/// at most 4 malloc arenas instead of 8 per core, since each reserves 64 MiB of address space
+/// and connection threads allocate little; and a fixed mmap threshold of 1 MiB, so request
+/// buffers above it are always mapped and unmapped whole instead of being kept in an arena
+/// after glibc's dynamic threshold rose. Together they keep the address space and RSS within
+/// the bounds docs/security.md states. Call before starting threads; `memkv serve` does.
+pub fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets allocator parameters; it is called before other threads start.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 4);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
+}
 
 /// Parses a size such as `512M`, `4G`, `1GiB`, `65536` (binary units: K = 1024).
 pub fn parse_size(s: &str) -> Result<u64, String> {

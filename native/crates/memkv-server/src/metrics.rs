@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use crate::lane::LaneStats;
 
 /// Error kinds counted separately; each is a label value of `memkv_errors_total`.
-pub const ERROR_KINDS: [&str; 9] = [
+pub const ERROR_KINDS: [&str; 15] = [
     "bad_magic",
     "bad_version",
     "malformed",
@@ -16,6 +16,17 @@ pub const ERROR_KINDS: [&str; 9] = [
     "no_space",
     "corrupt",
     "io",
+    // A frame or reply that missed its deadline (the frame timeout plus its bytes at the minimum
+    // rate), a handshake not done in time, an unauthenticated connection closed to admit a new
+    // one, a request that waited too long for buffer memory, a GET hit not served because the
+    // lane's pinned bytes were at their bound.
+    "stalled",
+    "handshake_timeout",
+    "evicted_unauthenticated",
+    "busy",
+    "pin_denied",
+    // A connection refused because every slot was taken by an authenticated one.
+    "connection_limit",
 ];
 
 #[derive(Default)]
@@ -116,6 +127,9 @@ impl Metrics {
         m.insert("memory_used_bytes".into(), lanes.used_bytes.into());
         m.insert("memory_capacity_bytes".into(), lanes.capacity_bytes.into());
         m.insert("leased_bytes".into(), lanes.leased_bytes.into());
+        m.insert("in_transfer_bytes".into(), lanes.in_transfer_bytes.into());
+        m.insert("receiving_bytes".into(), lanes.receiving_bytes.into());
+        m.insert("index_bytes".into(), lanes.index_bytes.into());
         m.insert("lanes".into(), n_lanes.into());
         serde_json::Value::Object(m).to_string()
     }
@@ -164,6 +178,24 @@ impl Metrics {
                 "bytes under lease",
                 "gauge",
                 lanes.leased_bytes,
+            ),
+            (
+                "memkv_in_transfer_bytes",
+                "bytes pinned by transfers in progress",
+                "gauge",
+                lanes.in_transfer_bytes,
+            ),
+            (
+                "memkv_receiving_bytes",
+                "bytes of values being received",
+                "gauge",
+                lanes.receiving_bytes,
+            ),
+            (
+                "memkv_index_bytes",
+                "index memory charged against the capacity",
+                "gauge",
+                lanes.index_bytes,
             ),
         ] {
             let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");

@@ -1,18 +1,28 @@
-//! The accept loop, connection limits, the metrics endpoint and graceful shutdown.
+//! The accept loop, connection slots, the metrics endpoint and graceful shutdown.
 
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use memkv_proto::{self as proto, ErrorCode, Header, Opcode};
+use memkv_proto::{self as proto, ErrorCode, Opcode};
 
 use crate::conn::{self, ConnCtx};
+use crate::frame::Timing;
+use crate::limits::{ByteBudget, ConnLimits, WarnLimiter};
 use crate::store::Store;
+use crate::transport::{TcpTransport, Transport};
 use crate::verify::Verifier;
+
+/// Stack of a connection thread: the deepest path (a GET reply) needs a few KiB; the default
+/// 2 MiB per thread would only inflate the address space at a thousand connections.
+const CONN_STACK: usize = 256 << 10;
+
+/// Pending connections the kernel queues before `accept`.
+const ACCEPT_BACKLOG: i32 = 4096;
 
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -22,9 +32,17 @@ pub struct ServerConfig {
     pub auth_key: Option<Vec<u8>>,
     pub metrics_listen: Option<String>,
     pub max_connections: usize,
-    /// Share of each lane's memory that leases may pin.
+    /// Share of each lane's memory that may be pinned: leased, or being sent or received.
     pub max_leased_fraction: f64,
+    /// Allowance of any frame on top of its bytes at `min_rate`.
     pub frame_timeout: Duration,
+    /// Slowest transfer accepted (bytes per second) for a request or reply.
+    pub min_rate: u64,
+    /// Longest a new connection may take to finish its handshake.
+    pub handshake_timeout: Duration,
+    /// Bytes of request bodies and reply tables held at once over all connections; None:
+    /// `default_buffer_budget(memory)`.
+    pub buffer_budget: Option<u64>,
     /// How long shutdown waits for open connections to finish their requests.
     pub drain_timeout: Duration,
 }
@@ -40,9 +58,18 @@ impl Default for ServerConfig {
             max_connections: 1024,
             max_leased_fraction: 0.5,
             frame_timeout: Duration::from_secs(30),
+            min_rate: 1 << 20,
+            handshake_timeout: Duration::from_secs(10),
+            buffer_budget: None,
             drain_timeout: Duration::from_secs(10),
         }
     }
+}
+
+/// The buffer budget when none is given: a quarter of the value memory, at least 64 MiB (four
+/// largest control bodies) and at most 1 GiB.
+pub fn default_buffer_budget(memory: u64) -> u64 {
+    (memory / 4).clamp(64 << 20, 1 << 30)
 }
 
 /// A running server. Dropping it does not stop it; call `shutdown` then `wait`.
@@ -52,36 +79,83 @@ pub struct Server {
     pub store: Arc<Store>,
     shutdown: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
+    limits: Arc<ConnLimits>,
     drain_timeout: Duration,
+}
+
+/// `addr` as one or more socket addresses, or an error that says what is expected.
+fn resolve(flag: &str, addr: &str) -> io::Result<Vec<SocketAddr>> {
+    let bad = |why: String| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{flag} {addr:?}: expected HOST:PORT (e.g. 127.0.0.1:7390): {why}"),
+        )
+    };
+    let addrs: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .map_err(|e| bad(e.to_string()))?
+        .collect();
+    if addrs.is_empty() {
+        return Err(bad("no address".into()));
+    }
+    Ok(addrs)
 }
 
 impl Server {
     /// Reserves memory, binds the listeners and starts serving in background threads.
     pub fn start(cfg: ServerConfig) -> io::Result<Server> {
-        let store = Arc::new(Store::new(cfg.memory, cfg.lanes, cfg.max_leased_fraction)?);
-        let listener = TcpListener::bind(&cfg.listen)?;
+        let listen = resolve("--listen", &cfg.listen)?;
+        let store = Store::new(cfg.memory, cfg.lanes, cfg.max_leased_fraction).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("--memory: cannot reserve {} bytes: {e}", cfg.memory),
+            )
+        })?;
+        let store = Arc::new(store);
+        let listener = TcpListener::bind(&listen[..])?;
+        // A deeper accept queue than std's 128 (the kernel caps it at somaxconn): a burst of
+        // connections from an attacker must not make a client's SYN wait for a retransmit.
+        // SAFETY: listen(2) on the socket we own; on Linux it updates the backlog in place.
+        unsafe { libc::listen(listener.as_raw_fd(), ACCEPT_BACKLOG) };
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let shutdown = Arc::new(AtomicBool::new(false));
+        let budget = cfg
+            .buffer_budget
+            .unwrap_or_else(|| default_buffer_budget(cfg.memory));
         let ctx = Arc::new(ConnCtx {
             store: store.clone(),
             auth_key: cfg.auth_key.clone(),
             shutdown: shutdown.clone(),
-            frame_timeout: cfg.frame_timeout,
+            timing: Timing {
+                frame_timeout: cfg.frame_timeout,
+                min_rate: cfg.min_rate,
+            },
+            handshake_timeout: cfg.handshake_timeout,
+            budget: ByteBudget::new(budget),
             verifier: Verifier::new(std::thread::available_parallelism().map_or(1, |n| n.get()))?,
+            warn: WarnLimiter::new(10, Duration::from_secs(10)),
         });
+        let limits = ConnLimits::new(cfg.max_connections, store.metrics.clone());
         let mut threads = Vec::new();
-        let max_conn = cfg.max_connections;
+        let lim = limits.clone();
         threads.push(
             std::thread::Builder::new()
                 .name("memkv-accept".into())
-                .spawn(move || accept_loop(listener, ctx, max_conn))?,
+                .spawn(move || accept_loop(listener, ctx, lim))?,
         );
         let mut metrics_addr = None;
         if let Some(m) = &cfg.metrics_listen {
-            let http = tiny_http::Server::http(m)
+            let at = resolve("--metrics", m)?;
+            let http = tiny_http::Server::http(&at[..])
                 .map_err(|e| io::Error::other(format!("metrics listener {m}: {e}")))?;
             metrics_addr = http.server_addr().to_ip();
+            if cfg.auth_key.is_some() && metrics_addr.is_some_and(|a| !a.ip().is_loopback()) {
+                tracing::warn!(
+                    metrics = %m,
+                    "--metrics serves counters without credentials to anyone who can reach it"
+                );
+            }
             let (store, stop) = (store.clone(), shutdown.clone());
             threads.push(
                 std::thread::Builder::new()
@@ -95,6 +169,7 @@ impl Server {
             lanes = store.lane_count(),
             max_value_bytes = store.max_value_len,
             auth = cfg.auth_key.is_some(),
+            buffer_budget_bytes = budget,
             metrics = %metrics_addr.map_or("off".to_string(), |a| a.to_string()),
             "memkv serving"
         );
@@ -104,6 +179,7 @@ impl Server {
             store,
             shutdown,
             threads,
+            limits,
             drain_timeout: cfg.drain_timeout,
         })
     }
@@ -123,19 +199,12 @@ impl Server {
         for t in self.threads {
             let _ = t.join();
         }
-        let deadline = Instant::now() + self.drain_timeout;
-        while self.store.metrics.connections.load(Ordering::SeqCst) > 0 && Instant::now() < deadline
-        {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        tracing::info!(
-            open_connections = self.store.metrics.connections.load(Ordering::SeqCst),
-            "memkv stopped"
-        );
+        let open = self.limits.wait_all_closed(self.drain_timeout);
+        tracing::info!(open_connections = open, "memkv stopped");
     }
 }
 
-fn accept_loop(listener: TcpListener, ctx: Arc<ConnCtx>, max_conn: usize) {
+fn accept_loop(listener: TcpListener, ctx: Arc<ConnCtx>, limits: Arc<ConnLimits>) {
     let fd = listener.as_raw_fd();
     while !ctx.shutdown.load(Ordering::Relaxed) {
         let mut pfd = libc::pollfd {
@@ -152,39 +221,52 @@ fn accept_loop(listener: TcpListener, ctx: Arc<ConnCtx>, max_conn: usize) {
             Ok(s) => s,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             Err(e) => {
+                // Out of descriptors or memory: back off instead of spinning on the error.
                 tracing::warn!(error = %e, "accept failed");
                 std::thread::sleep(Duration::from_millis(50));
                 continue;
             }
         };
-        let m = &ctx.store.metrics;
-        if m.connections.load(Ordering::SeqCst) as usize >= max_conn {
-            tracing::warn!(max_conn, "connection limit reached; refusing a connection");
-            refuse(stream, "too many connections");
+        let t = match TcpTransport::new(stream) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot set up an accepted socket");
+                continue;
+            }
+        };
+        let Some(permit) = t.closer().ok().and_then(|c| limits.admit(c)) else {
+            ctx.store.metrics.error("connection_limit");
+            if let Some(dropped) = ctx.warn.allow() {
+                tracing::warn!(
+                    dropped_warnings = dropped,
+                    "every connection slot is authenticated; refusing a connection"
+                );
+            }
+            refuse(t, "too many connections");
             continue;
-        }
-        let _ = stream.set_nonblocking(false);
-        m.connections.fetch_add(1, Ordering::SeqCst);
-        m.connections_accepted.fetch_add(1, Ordering::Relaxed);
+        };
+        ctx.store
+            .metrics
+            .connections_accepted
+            .fetch_add(1, Ordering::Relaxed);
         let ctx = ctx.clone();
         let spawned = std::thread::Builder::new()
             .name("memkv-conn".into())
-            .spawn(move || {
-                conn::serve(stream, &ctx);
-                ctx.store.metrics.connections.fetch_sub(1, Ordering::SeqCst);
-            });
+            .stack_size(CONN_STACK)
+            .spawn(move || conn::serve(t, &ctx, permit));
         if let Err(e) = spawned {
+            // The closure (socket and permit) was dropped with the error: slot and socket freed.
             tracing::error!(error = %e, "cannot start a connection thread");
-            m.connections.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
 
-fn refuse(mut stream: TcpStream, msg: &str) {
+fn refuse(mut t: TcpTransport, msg: &str) {
     let body = proto::encode_error(ErrorCode::ShuttingDown, msg);
-    let hdr = Header::new(Opcode::Error, 0, body.len(), 0).encode();
-    let _ = stream.set_nonblocking(false);
-    let _ = proto::io::write_all_vectored(&mut stream, &[&hdr, &body]);
+    let hdr = proto::Header::new(Opcode::Error, 0, body.len(), 0).encode();
+    let parts = [io::IoSlice::new(&hdr), io::IoSlice::new(&body)];
+    // One short write into an empty socket buffer; a peer that cannot take 50 bytes loses them.
+    let _ = t.write_vectored(&parts, Duration::from_millis(100));
 }
 
 fn metrics_loop(http: tiny_http::Server, store: Arc<Store>, stop: Arc<AtomicBool>) {
@@ -207,7 +289,9 @@ fn metrics_loop(http: tiny_http::Server, store: Arc<Store>, stop: Arc<AtomicBool
 #[cfg(test)]
 mod tests {
     use super::*;
+    use memkv_proto::Header;
     use std::io::{Read, Write};
+    use std::net::TcpStream;
 
     fn call(s: &mut TcpStream, op: Opcode, body: &[u8], payload: &[u8]) -> (Header, Vec<u8>) {
         let h = Header::new(op, 1, body.len(), payload.len() as u64).encode();

@@ -4,29 +4,31 @@ use std::time::Duration;
 
 use memkv_proto::Status;
 
-use crate::lane::{Lane, LaneStats, Reservation, Value};
+use crate::lane::{Lane, LaneStats, Pinned, Reservation, Value};
 use crate::metrics::Metrics;
 use std::sync::Arc;
 
 pub struct Store {
     lanes: Vec<Lane>,
     pub max_value_len: u64,
-    pub metrics: Metrics,
+    pub metrics: Arc<Metrics>,
 }
 
 impl Store {
     /// Splits `memory` bytes evenly over `lanes` lanes, reserving and pre-faulting all of it now.
+    /// Each lane's share bounds its values and its index together (see `lane::index_charge`).
     pub fn new(memory: u64, lanes: usize, max_leased_fraction: f64) -> std::io::Result<Store> {
         let lanes = lanes.max(1);
         let per_lane = (memory / lanes as u64) as usize;
         let lanes = (0..lanes)
             .map(|_| Lane::new(per_lane, max_leased_fraction))
             .collect::<std::io::Result<Vec<_>>>()?;
-        let max_value_len = lanes[0].capacity();
+        // Announced for the longest key, so a value under the limit fits under any key.
+        let max_value_len = lanes[0].max_value_len(memkv_proto::MAX_KEY_LEN);
         Ok(Store {
             lanes,
             max_value_len,
-            metrics: Metrics::default(),
+            metrics: Arc::default(),
         })
     }
 
@@ -35,26 +37,30 @@ impl Store {
         &self.lanes[(h % self.lanes.len() as u64) as usize]
     }
 
-    pub fn reserve(&self, key: &[u8], len: u64) -> Result<Reservation, Status> {
+    pub fn reserve(&self, key: &[u8], len: u64) -> Result<Reservation<'_>, Status> {
         if len > self.max_value_len {
             return Err(Status::TooLarge);
         }
-        self.lane(key).reserve(len)
+        self.lane(key).reserve(key.len(), len)
     }
 
-    pub fn commit(&self, key: &[u8], res: Reservation, checksums: Vec<u64>) {
+    pub fn commit(&self, key: &[u8], res: Reservation<'_>, checksums: Vec<u64>) {
         self.lane(key).commit(key, res, checksums)
     }
 
+    /// EXISTS, with a lease of at most `MAX_LEASE_MS` (longer asks are cut to it).
     pub fn exists(&self, key: &[u8], lease: Duration) -> (Status, u64) {
+        let lease = lease.min(Duration::from_millis(memkv_proto::MAX_LEASE_MS));
         self.lane(key).exists(key, lease)
     }
 
     /// GET lookup. The first chunk (all of a value up to `CHECKSUM_CHUNK`) is verified here,
     /// so a mismatch there is reported as `Corrupt` before the reply starts; every later chunk is
-    /// verified before it is sent, by the verifier pool (see `conn::Conn::get`, `verify`).
-    pub fn fetch_verified(&self, key: &[u8]) -> Result<Arc<Value>, Status> {
-        match self.lane(key).fetch(key) {
+    /// verified before it is sent, by the verifier pool (see `cmd::get`, `verify`). The value is
+    /// pinned until the returned guard drops; NoSpace when the lane's pinned bytes are at their
+    /// bound.
+    pub fn fetch_verified(&self, key: &[u8]) -> Result<Pinned<'_>, Status> {
+        match self.lane(key).fetch(key)? {
             None => Err(Status::NotFound),
             Some(v) if v.chunk_ok(0) => Ok(v),
             Some(v) => {
@@ -88,6 +94,9 @@ impl Store {
                 used_bytes: a.used_bytes + b.used_bytes,
                 capacity_bytes: a.capacity_bytes + b.capacity_bytes,
                 leased_bytes: a.leased_bytes + b.leased_bytes,
+                in_transfer_bytes: a.in_transfer_bytes + b.in_transfer_bytes,
+                receiving_bytes: a.receiving_bytes + b.receiving_bytes,
+                index_bytes: a.index_bytes + b.index_bytes,
                 evictions: a.evictions + b.evictions,
             })
     }
@@ -102,11 +111,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn leases_are_cut_to_an_hour() {
+        let s = Store::new(1 << 20, 1, 0.5).unwrap();
+        let r = s.reserve(b"k", 10).ok().unwrap();
+        s.commit(b"k", r, memkv_proto::chunk_checksums(&[0; 10]));
+        let forty_nine_days = Duration::from_millis(u32::MAX as u64);
+        assert_eq!(s.exists(b"k", forty_nine_days).0, Status::Ok);
+        let left = s.lane(b"k").lease_left(b"k").unwrap();
+        assert!(
+            left <= Duration::from_millis(memkv_proto::MAX_LEASE_MS),
+            "{left:?}"
+        );
+    }
+
+    #[test]
     fn corrupt_values_are_dropped_not_served() {
         let s = Store::new(1 << 20, 2, 0.5).unwrap();
-        let mut r = s.reserve(b"k", 100).unwrap();
-        r.span.as_mut_slice().fill(7);
-        let sums = memkv_proto::chunk_checksums(r.span.as_slice());
+        let mut r = s.reserve(b"k", 100).ok().unwrap();
+        r.bytes_mut().fill(7);
+        let sums = memkv_proto::chunk_checksums(r.bytes_mut());
         s.commit(b"k", r, sums);
         let Ok(v) = s.fetch_verified(b"k") else {
             panic!("intact value must be served")

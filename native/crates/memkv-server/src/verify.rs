@@ -193,11 +193,11 @@ mod tests {
     use crate::store::Store;
 
     fn stored(s: &Store, len: usize) -> Arc<Value> {
-        let mut r = s.reserve(b"k", len as u64).unwrap();
-        r.span.as_mut_slice().fill(9);
-        let sums = memkv_proto::chunk_checksums(r.span.as_slice());
+        let mut r = s.reserve(b"k", len as u64).ok().unwrap();
+        r.bytes_mut().fill(9);
+        let sums = memkv_proto::chunk_checksums(r.bytes_mut());
         s.commit(b"k", r, sums);
-        s.fetch_verified(b"k").ok().unwrap()
+        s.fetch_verified(b"k").ok().unwrap().value.clone()
     }
 
     const C: usize = memkv_proto::CHECKSUM_CHUNK;

@@ -1,0 +1,23 @@
+//! DELETE: unlinks keys; memory returns once no transfer holds the value.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use memkv_proto::{self as proto, Header, Status};
+
+use crate::conn::{Conn, End};
+use crate::transport::Transport;
+
+impl<T: Transport> Conn<'_, T> {
+    pub(crate) fn delete(&mut self, h: &Header, body: &[u8], deadline: Instant) -> Result<(), End> {
+        let _share = self.key_share(body, 0, deadline)?;
+        let keys = proto::decode_keys(body)?;
+        let store = &*self.ctx.store;
+        let st: Vec<Status> = keys.iter().map(|k| store.delete(k)).collect();
+        store.metrics.deletes.fetch_add(
+            st.iter().filter(|s| s.is_ok()).count() as u64,
+            Ordering::Relaxed,
+        );
+        self.reply(h, &proto::encode_statuses(&st))
+    }
+}

@@ -1,0 +1,326 @@
+//! The server's resource bounds outside the store: connection slots (RAII permits, with
+//! unauthenticated connections the first to give way), a global byte budget for request and reply
+//! buffers, and a rate limit on the warnings a peer can trigger.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::metrics::Metrics;
+
+/// Closes a connection from another thread (its blocked read then ends).
+pub type Closer = Box<dyn Fn() + Send>;
+
+struct Pending {
+    id: u64,
+    /// Sent a well-formed HELLO: a client on its way through the handshake.
+    greeted: bool,
+    close: Closer,
+    evicted: Arc<AtomicBool>,
+}
+
+struct Slots {
+    open: usize,
+    /// Connections evicted but not yet ended: they no longer count against the limit.
+    doomed: usize,
+    /// Unauthenticated connections, oldest first.
+    pending: VecDeque<Pending>,
+    next_id: u64,
+}
+
+/// Connection slots. Every open connection holds a `Permit`; dropping it frees the slot. When
+/// all slots are taken, a new connection takes the slot of the oldest connection that has not
+/// authenticated yet (that one is closed), so peers without the key cannot lock out a client
+/// that has it. Connections that have not even sent HELLO go first, so a client between its
+/// HELLO and its AUTH survives a flood of silent or garbage connections. A new connection is
+/// refused only when every slot is authenticated.
+pub struct ConnLimits {
+    max: usize,
+    slots: Mutex<Slots>,
+    changed: Condvar,
+    metrics: Arc<Metrics>,
+}
+
+/// One connection's slot; freed on drop.
+pub struct Permit {
+    limits: Arc<ConnLimits>,
+    id: u64,
+    evicted: Arc<AtomicBool>,
+}
+
+impl ConnLimits {
+    pub fn new(max: usize, metrics: Arc<Metrics>) -> Arc<ConnLimits> {
+        Arc::new(ConnLimits {
+            max: max.max(1),
+            slots: Mutex::new(Slots {
+                open: 0,
+                doomed: 0,
+                pending: VecDeque::new(),
+                next_id: 0,
+            }),
+            changed: Condvar::new(),
+            metrics,
+        })
+    }
+
+    /// A slot for a new, unauthenticated connection that `close` can close, or None when every
+    /// slot belongs to an authenticated connection.
+    pub fn admit(self: &Arc<Self>, close: Closer) -> Option<Permit> {
+        let mut s = self.slots.lock().unwrap();
+        if s.open - s.doomed >= self.max {
+            let at = s.pending.iter().position(|p| !p.greeted).unwrap_or(0);
+            let oldest = s.pending.remove(at)?;
+            oldest.evicted.store(true, Ordering::Relaxed);
+            (oldest.close)();
+            s.doomed += 1;
+            self.metrics.error("evicted_unauthenticated");
+        }
+        s.open += 1;
+        let id = s.next_id;
+        s.next_id += 1;
+        let evicted = Arc::new(AtomicBool::new(false));
+        s.pending.push_back(Pending {
+            id,
+            greeted: false,
+            close,
+            evicted: evicted.clone(),
+        });
+        self.metrics
+            .connections
+            .store(s.open as u64, Ordering::Relaxed);
+        Some(Permit {
+            limits: self.clone(),
+            id,
+            evicted,
+        })
+    }
+
+    /// Waits until no connection is open or `timeout` passed; returns how many are still open.
+    pub fn wait_all_closed(&self, timeout: Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        let mut s = self.slots.lock().unwrap();
+        while s.open > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            s = self.changed.wait_timeout(s, left).unwrap().0;
+        }
+        s.open
+    }
+}
+
+impl Permit {
+    /// The connection sent a well-formed HELLO: it gives way only after silent ones.
+    pub fn greeted(&self) {
+        let mut s = self.limits.slots.lock().unwrap();
+        if let Some(p) = s.pending.iter_mut().find(|p| p.id == self.id) {
+            p.greeted = true;
+        }
+    }
+
+    /// The connection proved it holds the key (or none is needed): it can no longer be evicted.
+    pub fn authenticated(&self) {
+        let mut s = self.limits.slots.lock().unwrap();
+        s.pending.retain(|p| p.id != self.id);
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let mut s = self.limits.slots.lock().unwrap();
+        s.open -= 1;
+        if self.evicted.load(Ordering::Relaxed) {
+            s.doomed -= 1;
+        } else {
+            s.pending.retain(|p| p.id != self.id);
+        }
+        self.limits
+            .metrics
+            .connections
+            .store(s.open as u64, Ordering::Relaxed);
+        self.limits.changed.notify_all();
+    }
+}
+
+/// A global bound on the bytes of request bodies and reply tables held at once, over all
+/// connections: a connection waits for its share before it allocates a buffer.
+pub struct ByteBudget {
+    total: u64,
+    free: Mutex<u64>,
+    returned: Condvar,
+}
+
+/// Bytes taken from a `ByteBudget`; given back on drop.
+pub struct BudgetShare<'a> {
+    budget: &'a ByteBudget,
+    bytes: u64,
+}
+
+impl ByteBudget {
+    pub fn new(total: u64) -> ByteBudget {
+        ByteBudget {
+            total,
+            free: Mutex::new(total),
+            returned: Condvar::new(),
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// Takes `bytes`, waiting for other connections to give some back until `deadline`. None
+    /// when the deadline passed first or `bytes` exceeds the whole budget.
+    pub fn take(&self, bytes: u64, deadline: Instant) -> Option<BudgetShare<'_>> {
+        if bytes > self.total {
+            return None;
+        }
+        let mut free = self.free.lock().unwrap();
+        while *free < bytes {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            free = self.returned.wait_timeout(free, left).unwrap().0;
+        }
+        *free -= bytes;
+        Some(BudgetShare {
+            budget: self,
+            bytes,
+        })
+    }
+
+    pub fn in_use(&self) -> u64 {
+        self.total - *self.free.lock().unwrap()
+    }
+}
+
+impl Drop for BudgetShare<'_> {
+    fn drop(&mut self) {
+        *self.budget.free.lock().unwrap() += self.bytes;
+        self.budget.returned.notify_all();
+    }
+}
+
+/// Lets through at most `per_window` warnings per window; the rest are counted and reported with
+/// the next warning let through, so a peer sending bad frames cannot flood the log.
+pub struct WarnLimiter {
+    window: Duration,
+    per_window: u64,
+    start: Mutex<Instant>,
+    in_window: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl WarnLimiter {
+    pub fn new(per_window: u64, window: Duration) -> WarnLimiter {
+        WarnLimiter {
+            window,
+            per_window,
+            start: Mutex::new(Instant::now()),
+            in_window: AtomicU64::new(0),
+            suppressed: AtomicU64::new(0),
+        }
+    }
+
+    /// Some(number of warnings suppressed since the last one let through) when this one may be
+    /// logged, None when it must be dropped.
+    pub fn allow(&self) -> Option<u64> {
+        {
+            let mut start = self.start.lock().unwrap();
+            if start.elapsed() >= self.window {
+                *start = Instant::now();
+                self.in_window.store(0, Ordering::Relaxed);
+            }
+        }
+        if self.in_window.fetch_add(1, Ordering::Relaxed) < self.per_window {
+            Some(self.suppressed.swap(0, Ordering::Relaxed))
+        } else {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn closer(flag: &Arc<AtomicBool>) -> Closer {
+        let f = flag.clone();
+        Box::new(move || f.store(true, Ordering::Relaxed))
+    }
+
+    #[test]
+    fn unauthenticated_connections_give_way_and_authenticated_ones_never_do() {
+        let lim = ConnLimits::new(2, Arc::new(Metrics::default()));
+        let closed: Vec<Arc<AtomicBool>> = (0..4).map(|_| Arc::default()).collect();
+        let a = lim.admit(closer(&closed[0])).unwrap();
+        a.authenticated();
+        let b = lim.admit(closer(&closed[1])).unwrap();
+        // Full: the third takes the slot of the unauthenticated second.
+        let c = lim.admit(closer(&closed[2])).unwrap();
+        assert!(closed[1].load(Ordering::Relaxed) && !closed[0].load(Ordering::Relaxed));
+        c.authenticated();
+        // Every counted slot is authenticated now: refused, and nobody is closed.
+        assert!(lim.admit(closer(&closed[3])).is_none());
+        assert!(!closed[0].load(Ordering::Relaxed) && !closed[2].load(Ordering::Relaxed));
+        drop(b);
+        assert_eq!(lim.wait_all_closed(Duration::ZERO), 2);
+        drop(a);
+        let d = lim.admit(closer(&closed[3])).unwrap();
+        drop((c, d));
+        assert_eq!(lim.wait_all_closed(Duration::from_secs(1)), 0);
+    }
+
+    #[test]
+    fn connections_that_sent_hello_outlast_silent_ones() {
+        let lim = ConnLimits::new(2, Arc::new(Metrics::default()));
+        let closed: Vec<Arc<AtomicBool>> = (0..3).map(|_| Arc::default()).collect();
+        let client = lim.admit(closer(&closed[0])).unwrap();
+        client.greeted();
+        let silent = lim.admit(closer(&closed[1])).unwrap();
+        let next = lim.admit(closer(&closed[2])).unwrap();
+        assert!(closed[1].load(Ordering::Relaxed), "the silent one gave way");
+        assert!(
+            !closed[0].load(Ordering::Relaxed),
+            "the older client mid-handshake stays"
+        );
+        drop((client, silent, next));
+    }
+
+    #[test]
+    fn budget_waits_for_shares_to_come_back_and_gives_up_at_the_deadline() {
+        let b = ByteBudget::new(100);
+        let s = b.take(80, Instant::now()).unwrap();
+        assert!(b
+            .take(30, Instant::now() + Duration::from_millis(20))
+            .is_none());
+        assert!(b
+            .take(101, Instant::now() + Duration::from_secs(9))
+            .is_none());
+        std::thread::scope(|sc| {
+            let waiter = sc.spawn(|| {
+                b.take(30, Instant::now() + Duration::from_secs(30))
+                    .is_some()
+            });
+            std::thread::sleep(Duration::from_millis(20));
+            drop(s);
+            assert!(waiter.join().unwrap());
+        });
+        assert_eq!(b.in_use(), 0);
+    }
+
+    #[test]
+    fn warnings_are_limited_per_window_and_the_dropped_ones_counted() {
+        let w = WarnLimiter::new(2, Duration::from_millis(50));
+        assert_eq!(w.allow(), Some(0));
+        assert_eq!(w.allow(), Some(0));
+        assert_eq!(w.allow(), None);
+        assert_eq!(w.allow(), None);
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(w.allow(), Some(2));
+    }
+}
