@@ -103,7 +103,7 @@ def tcp_ceiling(nbytes: int, repeat: int) -> float:
 
 def offloader(address: str, kv: PagedKV, medium: str, n: int, method: str) -> KVOffloader:
     cfg = load_config({"servers": [address], "connections_per_server": 8, "io_threads": 8})
-    store = BlockStore(MemKVClient.from_config(cfg),
+    store = BlockStore(MemKVClient.from_config(cfg).codes,
                        StoreOptions(n_read_threads=8, n_write_threads=8, blocks_per_op=1))
     name, _, programs = method.partition(":")
     return KVOffloader(kv, store, medium=medium, scratch_bytes=n * (kv.max_value_bytes + 4096),

@@ -23,7 +23,7 @@ from typing import Any
 from memkv_vllm import _native
 from memkv_vllm.config import MemKVConfig, load_config
 
-__all__ = ["MAX_KEY_LEN", "MemKVClient", "Op", "Status", "buffer_address"]
+__all__ = ["MAX_KEY_LEN", "CodesClient", "CodesOp", "MemKVClient", "Op", "Status", "buffer_address"]
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,35 @@ def buffer_address(obj: Any, writable: bool) -> tuple[int, int]:
     return int(arr.ctypes.data), int(arr.nbytes)
 
 
-def _statuses(codes: Sequence[int]) -> list[Status]:
-    return [Status(c) for c in codes]
+# Status(c) goes through the enum machinery (about a microsecond per key); a dict lookup per
+# code makes the enum lists nearly as cheap as the codes. The native client only produces these
+# numbers (tests/test_client.py checks the two lists agree).
+_STATUS_OF: dict[int, Status] = {s.value: s for s in Status}
+
+
+def _statuses(codes: bytes) -> list[Status]:
+    return list(map(_STATUS_OF.__getitem__, codes))
+
+
+class CodesOp:
+    """A submitted batch answering in status codes: ``wait`` returns one ``bytes`` (byte i is key
+    i's :class:`Status` number), or None on timeout; it raises RuntimeError only if the native
+    operation hit a bug (a Rust panic), never for a failed server."""
+
+    __slots__ = ("_op",)
+
+    def __init__(self, op: Any) -> None:
+        self._op = op
+
+    def done(self) -> bool:
+        return bool(self._op.done())
+
+    def wait(self, timeout: float | None = None) -> bytes | None:
+        return self._op.wait(timeout)  # type: ignore[no-any-return]
+
+    def wait_lengths(self, timeout: float | None = None) -> tuple[bytes, list[int]] | None:
+        """For EXISTS ops: (status codes, stored value length per key)."""
+        return self._op.wait_lengths(timeout)  # type: ignore[no-any-return]
 
 
 class Op:
@@ -88,31 +115,102 @@ class Op:
     RuntimeError only if the native operation hit a bug (a Rust panic), never for a failed
     server."""
 
-    __slots__ = ("_op", "_exists")
+    __slots__ = ("codes",)
 
-    def __init__(self, op: Any, exists: bool = False) -> None:
-        self._op = op
-        self._exists = exists
+    def __init__(self, codes: CodesOp) -> None:
+        self.codes = codes  # the same batch answering in status codes
 
     def done(self) -> bool:
-        return bool(self._op.done())
+        return self.codes.done()
 
     def wait(self, timeout: float | None = None) -> list[Status] | None:
-        r = self._op.wait(timeout)
-        if r is None:
-            return None
-        return [Status(s) for s, _ in r] if self._exists else _statuses(r)
+        r = self.codes.wait(timeout)
+        return None if r is None else _statuses(r)
 
     def wait_lengths(self, timeout: float | None = None) -> list[tuple[Status, int]] | None:
         """For EXISTS ops: (status, stored value length) per key."""
-        r = self._op.wait(timeout)
-        if r is None:
-            return None
-        return [(Status(s), n) for s, n in r]
+        r = self.codes.wait_lengths(timeout)
+        return None if r is None else list(zip(_statuses(r[0]), r[1], strict=True))
+
+
+class CodesClient:
+    """The batch calls of a :class:`MemKVClient` (``client.codes``), answering with ONE ``bytes``
+    of status codes per batch: byte i is key i's :class:`Status` number. No Python object is made
+    per key, so a batched check of thousands of keys costs what the native call costs; callers
+    that compare numbers (the block store, ``codes[i] == Status.OK``) use this. Implements
+    :class:`memkv_vllm.interface.BlockClient`."""
+
+    __slots__ = ("_c",)
+
+    def __init__(self, native: Any) -> None:
+        self._c = native
+
+    # -- blocking calls (GIL released during I/O) ------------------------------------------
+
+    def exists(self, keys: Sequence[bytes], lease_ms: int = 0) -> bytes:
+        return self._c.exists(list(keys), lease_ms)  # type: ignore[no-any-return]
+
+    def exists_lengths(self, keys: Sequence[bytes], lease_ms: int = 0
+                       ) -> tuple[bytes, list[int]]:
+        return self._c.exists_lengths(list(keys), lease_ms)  # type: ignore[no-any-return]
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> bytes:
+        ptrs, sizes = _addresses(values, writable=False)
+        return self._c.put(list(keys), ptrs, sizes)  # type: ignore[no-any-return]
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> bytes:
+        ptrs, sizes = _addresses(buffers, writable=True)
+        return self._c.get_into(list(keys), ptrs, sizes)  # type: ignore[no-any-return]
+
+    def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
+                 owner: object = None) -> bytes:
+        """UNSAFE, as :meth:`MemKVClient.put_ptrs`."""
+        del owner
+        return self._c.put(list(keys), list(ptrs), list(sizes))  # type: ignore[no-any-return]
+
+    def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
+                      owner: object = None) -> bytes:
+        """UNSAFE, as :meth:`MemKVClient.get_into_ptrs`."""
+        del owner
+        return self._c.get_into(list(keys), list(ptrs), list(sizes))  # type: ignore[no-any-return]
+
+    def delete(self, keys: Sequence[bytes]) -> bytes:
+        return self._c.delete(list(keys))  # type: ignore[no-any-return]
+
+    # -- submitted calls (native I/O threads; owners kept alive until done) ------------------
+
+    def submit_exists(self, keys: Sequence[bytes], lease_ms: int = 0) -> CodesOp:
+        return CodesOp(self._c.submit_exists(list(keys), lease_ms))
+
+    def submit_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> CodesOp:
+        ptrs, sizes = _addresses(values, writable=False)
+        return CodesOp(self._c.submit_put(list(keys), ptrs, sizes, list(values)))
+
+    def submit_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> CodesOp:
+        ptrs, sizes = _addresses(buffers, writable=True)
+        return CodesOp(self._c.submit_get_into(list(keys), ptrs, sizes, list(buffers)))
+
+    def close(self) -> None:
+        """Drops the connections (once the I/O threads finish what was submitted), also for
+        holders of this object such as a block store."""
+        self._c = None
+
+
+def _addresses(objs: Sequence[Any], writable: bool) -> tuple[list[int], list[int]]:
+    ptrs: list[int] = []
+    sizes: list[int] = []
+    for o in objs:
+        p, n = buffer_address(o, writable)
+        ptrs.append(p)
+        sizes.append(n)
+    return ptrs, sizes
 
 
 class MemKVClient:
-    """Batched exists/put/get/delete against a cluster; keys are sharded by rendezvous hashing."""
+    """Batched exists/put/get/delete against a cluster; keys are sharded by rendezvous hashing.
+
+    Batch calls answer with a :class:`Status` per key; ``codes`` (a :class:`CodesClient`) makes
+    the same calls answering with one ``bytes`` of codes per batch, the fast path."""
 
     def __init__(self, config: MemKVConfig, io_threads: int | None = None) -> None:
         """Raises ValueError for a setting this build cannot honour (``transport: rdma``)."""
@@ -127,6 +225,7 @@ class MemKVClient:
             config.transport,
             list(config.rdma_devices),
         )
+        self.codes = CodesClient(self._c)
 
     @classmethod
     def from_config(
@@ -137,18 +236,17 @@ class MemKVClient:
     # -- blocking calls (GIL released during I/O) ------------------------------------------
 
     def exists(self, keys: Sequence[bytes], lease_ms: int = 0) -> list[Status]:
-        return [Status(s) for s, _ in self._c.exists(list(keys), lease_ms)]
+        return _statuses(self.codes.exists(keys, lease_ms))
 
     def exists_lengths(self, keys: Sequence[bytes], lease_ms: int = 0) -> list[tuple[Status, int]]:
-        return [(Status(s), n) for s, n in self._c.exists(list(keys), lease_ms)]
+        st, lens = self.codes.exists_lengths(keys, lease_ms)
+        return list(zip(_statuses(st), lens, strict=True))
 
     def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> list[Status]:
-        ptrs, sizes = self._addresses(values, writable=False)
-        return _statuses(self._c.put(list(keys), ptrs, sizes))
+        return _statuses(self.codes.put(keys, values))
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[Status]:
-        ptrs, sizes = self._addresses(buffers, writable=True)
-        return _statuses(self._c.get_into(list(keys), ptrs, sizes))
+        return _statuses(self.codes.get_into(keys, buffers))
 
     def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
                  owner: object = None) -> list[Status]:
@@ -158,8 +256,7 @@ class MemKVClient:
         memory that stays valid and unchanged until this blocking call returns (``owner`` is
         only a reminder to keep its owner referenced; the caller's frame holds it anyway).
         """
-        del owner
-        return _statuses(self._c.put(list(keys), list(ptrs), list(sizes)))
+        return _statuses(self.codes.put_ptrs(keys, ptrs, sizes, owner))
 
     def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
                       owner: object = None) -> list[Status]:
@@ -172,24 +269,21 @@ class MemKVClient:
         UNAVAILABLE, PROTOCOL_ERROR) may leave part of the value in that key's range. Nothing is
         written after the call returns.
         """
-        del owner
-        return _statuses(self._c.get_into(list(keys), list(ptrs), list(sizes)))
+        return _statuses(self.codes.get_into_ptrs(keys, ptrs, sizes, owner))
 
     def delete(self, keys: Sequence[bytes]) -> list[Status]:
-        return _statuses(self._c.delete(list(keys)))
+        return _statuses(self.codes.delete(keys))
 
     # -- submitted calls (native I/O threads; owners kept alive until done) ------------------
 
     def submit_exists(self, keys: Sequence[bytes], lease_ms: int = 0) -> Op:
-        return Op(self._c.submit_exists(list(keys), lease_ms), exists=True)
+        return Op(self.codes.submit_exists(keys, lease_ms))
 
     def submit_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> Op:
-        ptrs, sizes = self._addresses(values, writable=False)
-        return Op(self._c.submit_put(list(keys), ptrs, sizes, list(values)))
+        return Op(self.codes.submit_put(keys, values))
 
     def submit_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> Op:
-        ptrs, sizes = self._addresses(buffers, writable=True)
-        return Op(self._c.submit_get_into(list(keys), ptrs, sizes, list(buffers)))
+        return Op(self.codes.submit_get_into(keys, buffers))
 
     # -- cluster -------------------------------------------------------------------------------
 
@@ -228,14 +322,5 @@ class MemKVClient:
 
     def close(self) -> None:
         """Drops the connections (once the I/O threads finish what was submitted)."""
+        self.codes.close()
         self._c = None  # type: ignore[assignment]
-
-    @staticmethod
-    def _addresses(objs: Sequence[Any], writable: bool) -> tuple[list[int], list[int]]:
-        ptrs: list[int] = []
-        sizes: list[int] = []
-        for o in objs:
-            p, n = buffer_address(o, writable)
-            ptrs.append(p)
-            sizes.append(n)
-        return ptrs, sizes

@@ -109,7 +109,9 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
         self._prefix = str(prefix)
 
         self._client, cfg = _make_client(client_kw)
-        self._store = BlockStore(self._client, StoreOptions(
+        # The store compares status numbers: it takes the client's code-bytes face.
+        codes = self._client.codes if self._client is not None else None
+        self._store = BlockStore(codes, StoreOptions(
             n_read_threads=int(n_read_threads),
             n_write_threads=int(n_write_threads),
             blocks_per_op=int(blocks_per_op),

@@ -338,6 +338,42 @@ def test_batches_beyond_the_frame_limits_are_split(memkv_server):
     assert c.health()[memkv_server.address]["up"] is True
 
 
+def test_status_codes_say_what_the_enums_say_for_hits_misses_and_a_down_server(
+        memkv_cluster2):
+    up, down = memkv_cluster2
+    down.kill()
+    keys = [b"codes/%d" % i for i in range(300)]
+    client_for(up).put(keys[::2], [b"8 bytes!"] * 150)  # stored where the pair looks for them
+    # Each sees the failure anew, each key of a server in one request (one REFUSED answer).
+    codes_c, enums_c = (client_for(up, down, connections_per_server=1) for _ in range(2))
+    owner = [codes_c.server_of(k) for k in keys]
+
+    def expected(down_status: Status) -> list[Status]:
+        return [down_status if o == down.address else Status.OK if i % 2 == 0 else
+                Status.NOT_FOUND for i, o in enumerate(owner)]
+
+    first = expected(Status.REFUSED)  # nothing listens; then UNAVAILABLE while marked down
+    assert {Status.OK, Status.NOT_FOUND, Status.REFUSED} <= set(first)
+    codes, enums = codes_c.codes.exists(keys), enums_c.exists(keys)
+    assert isinstance(codes, bytes) and list(codes) == first
+    assert enums == first and all(type(s) is Status for s in enums)
+    later = expected(Status.UNAVAILABLE)
+    assert list(codes_c.codes.exists(keys)) == later == enums_c.exists(keys)
+    op = codes_c.codes.submit_exists(keys)
+    assert list(op.wait(30)) == later == enums_c.submit_exists(keys).wait(30)
+    lens = [8 if s == Status.OK else 0 for s in later]
+    assert codes_c.codes.exists_lengths(keys) == (bytes(later), lens)
+    assert enums_c.exists_lengths(keys) == list(zip(later, lens, strict=True))
+    assert op.wait_lengths(0) == (bytes(later), lens)
+    got = [bytearray(8) for _ in keys]
+    assert list(codes_c.codes.get_into(keys, got)) == later == enums_c.get_into(keys, got)
+    assert list(codes_c.codes.delete(keys[:2])) == later[:2]
+    gone = [Status.NOT_FOUND if s in (Status.OK, Status.NOT_FOUND) else s for s in later[:2]]
+    assert enums_c.delete(keys[:2]) == gone
+    with pytest.raises(ValueError, match="EXISTS"):
+        codes_c.codes.submit_put([b"x"], [b"1"]).wait_lengths(30)
+
+
 def test_status_numbers_match_the_native_client():
     assert dict(_native.statuses()) == {s.name: s.value for s in Status}
 

@@ -5,6 +5,10 @@
 //! has no PyBuffer, so the Python wrapper extracts addresses and passes the owning objects along;
 //! submitted operations keep those owners alive until the I/O threads are done with the memory.
 //!
+//! Per-key outcomes cross as ONE `bytes` of status codes per batch (byte i: key i's status
+//! number), never as a Python object per key: a batched check of thousands of keys then costs
+//! what the I/O costs. The Python wrapper makes enums only for callers that ask for them.
+//!
 //! No Rust panic crosses into Python: every entry point runs under `catch_unwind` and turns a
 //! panic (a bug) into a `RuntimeError` with a clear message instead of pyo3's `PanicException`.
 
@@ -16,6 +20,7 @@ use memkv_client::{exec::panic_message, Buf, Client, ClientConfig, Op, OpResult,
 use memkv_client::{placement, TransportChoice};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
 /// Runs `f`, turning a panic into a Python RuntimeError.
 fn no_panic<T>(f: impl FnOnce() -> T) -> PyResult<T> {
@@ -54,8 +59,21 @@ type PerServer<T> = Vec<(String, Option<T>, Option<String>)>;
 /// Per server: (address, up, last failure's status code, its reason, seconds since it).
 type HealthRows = Vec<(String, bool, Option<u8>, Option<String>, Option<f64>)>;
 
-fn codes(st: &[Status]) -> Vec<u8> {
-    st.iter().map(|s| *s as u8).collect()
+/// One status code per key, as Python `bytes`.
+fn codes<'py>(py: Python<'py>, st: &[Status]) -> Bound<'py, PyBytes> {
+    let v: Vec<u8> = st.iter().map(|s| *s as u8).collect();
+    PyBytes::new(py, &v)
+}
+
+/// The status codes of an EXISTS answer, as Python `bytes`.
+fn exists_codes<'py>(py: Python<'py>, v: &[(Status, u64)]) -> Bound<'py, PyBytes> {
+    let st: Vec<u8> = v.iter().map(|(s, _)| *s as u8).collect();
+    PyBytes::new(py, &st)
+}
+
+/// (status codes as `bytes`, stored lengths) of an EXISTS answer.
+fn codes_lens<'py>(py: Python<'py>, v: &[(Status, u64)]) -> (Bound<'py, PyBytes>, Vec<u64>) {
+    (exists_codes(py, v), v.iter().map(|(_, n)| *n).collect())
 }
 
 /// A finite, non-negative number of seconds as a Duration: ValueError otherwise (including
@@ -118,36 +136,46 @@ impl PyClient {
         Ok(PyClient { inner })
     }
 
-    /// (status code, stored length) per key; with lease_ms > 0 found values are leased.
+    /// Status codes (`bytes`, one per key); with lease_ms > 0 found values are leased.
     #[pyo3(signature = (keys, lease_ms=0))]
-    fn exists(
+    fn exists<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         keys: Vec<Vec<u8>>,
         lease_ms: u32,
-    ) -> PyResult<Vec<(u8, u64)>> {
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let c = &self.inner;
-        Ok(py
-            .detach(|| no_panic(|| c.exists(&keys, lease_ms)))?
-            .into_iter()
-            .map(|(s, n)| (s as u8, n))
-            .collect())
+        let v = py.detach(|| no_panic(|| c.exists(&keys, lease_ms)))?;
+        Ok(exists_codes(py, &v))
     }
 
-    fn delete(&self, py: Python<'_>, keys: Vec<Vec<u8>>) -> PyResult<Vec<u8>> {
+    /// (status codes as `bytes`, stored length per key); leases as for exists.
+    #[pyo3(signature = (keys, lease_ms=0))]
+    fn exists_lengths<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<Vec<u8>>,
+        lease_ms: u32,
+    ) -> PyResult<(Bound<'py, PyBytes>, Vec<u64>)> {
         let c = &self.inner;
-        Ok(codes(&py.detach(|| no_panic(|| c.delete(&keys)))?))
+        let v = py.detach(|| no_panic(|| c.exists(&keys, lease_ms)))?;
+        Ok(codes_lens(py, &v))
+    }
+
+    fn delete<'py>(&self, py: Python<'py>, keys: Vec<Vec<u8>>) -> PyResult<Bound<'py, PyBytes>> {
+        let c = &self.inner;
+        Ok(codes(py, &py.detach(|| no_panic(|| c.delete(&keys)))?))
     }
 
     /// Stores from raw addresses. Unsafe in Rust's sense: the caller guarantees every
     /// (address, size) is readable memory that stays valid until this blocking call returns.
-    fn put(
+    fn put<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         keys: Vec<Vec<u8>>,
         ptrs: Vec<usize>,
         sizes: Vec<usize>,
-    ) -> PyResult<Vec<u8>> {
+    ) -> PyResult<Bound<'py, PyBytes>> {
         self.transfer(py, keys, ptrs, sizes, true)
     }
 
@@ -155,13 +183,13 @@ impl PyClient {
     /// (address, size) is writable memory, distinct from the others, that nobody else touches
     /// until this blocking call returns. A buffer is written only when its key's status is 0,
     /// except that a transfer failing part-way may leave part of that key's value in it.
-    fn get_into(
+    fn get_into<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         keys: Vec<Vec<u8>>,
         ptrs: Vec<usize>,
         sizes: Vec<usize>,
-    ) -> PyResult<Vec<u8>> {
+    ) -> PyResult<Bound<'py, PyBytes>> {
         self.transfer(py, keys, ptrs, sizes, false)
     }
 
@@ -258,19 +286,19 @@ impl PyClient {
 
 impl PyClient {
     /// Blocking put or get with the GIL released.
-    fn transfer(
+    fn transfer<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         keys: Vec<Vec<u8>>,
         ptrs: Vec<usize>,
         sizes: Vec<usize>,
         put: bool,
-    ) -> PyResult<Vec<u8>> {
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let b = bufs(&keys, &ptrs, &sizes)?;
         let c = &self.inner;
         // SAFETY: the Python caller guarantees the memory stays valid (and, for GET, writable
         // and untouched) for the duration of this blocking call.
-        Ok(codes(&py.detach(|| {
+        let st = py.detach(|| {
             no_panic(|| unsafe {
                 if put {
                     c.put(&keys, &b)
@@ -278,7 +306,8 @@ impl PyClient {
                     c.get(&keys, &b)
                 }
             })
-        })?))
+        })?;
+        Ok(codes(py, &st))
     }
 
     fn submit_transfer(
@@ -320,12 +349,45 @@ impl PyOp {
         self.op.done()
     }
 
-    /// Per-key results, or None if not finished within `timeout` seconds (None = no limit).
-    /// EXISTS ops give (status, length) pairs, the others status codes. Raises RuntimeError if
-    /// the operation panicked (a bug).
+    /// Status codes (`bytes`, one per key), or None if not finished within `timeout` seconds
+    /// (None = no limit). Raises RuntimeError if the operation panicked (a bug).
     #[pyo3(signature = (timeout=None))]
-    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Py<PyAny>>> {
-        // inf = no limit; a negative wait is a poll.
+    fn wait<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        Ok(match self.result(py, timeout)? {
+            None => None,
+            Some(OpResult::Statuses(st)) => Some(codes(py, &st)),
+            Some(OpResult::StatusLens(v)) => Some(exists_codes(py, &v)),
+            Some(OpResult::Panicked(msg)) => return Err(internal_error(&msg)),
+        })
+    }
+
+    /// For EXISTS ops: (status codes as `bytes`, stored length per key), or None as for wait.
+    /// ValueError for other ops.
+    #[pyo3(signature = (timeout=None))]
+    fn wait_lengths<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<(Bound<'py, PyBytes>, Vec<u64>)>> {
+        Ok(match self.result(py, timeout)? {
+            None => None,
+            Some(OpResult::StatusLens(v)) => Some(codes_lens(py, &v)),
+            Some(OpResult::Statuses(_)) => {
+                return Err(PyValueError::new_err("only EXISTS ops have lengths"))
+            }
+            Some(OpResult::Panicked(msg)) => return Err(internal_error(&msg)),
+        })
+    }
+}
+
+impl PyOp {
+    /// The finished result, or None after `timeout` seconds (None or inf = no limit; a
+    /// negative wait is a poll).
+    fn result(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<OpResult>> {
         let t = match timeout {
             Some(s) if s.is_nan() => return Err(PyValueError::new_err("timeout is NaN")),
             Some(s) if s == f64::INFINITY => None,
@@ -333,16 +395,7 @@ impl PyOp {
             None => None,
         };
         let op = self.op.clone();
-        let r = py.detach(move || op.wait(t));
-        Ok(match r {
-            None => None,
-            Some(OpResult::Statuses(st)) => Some(codes(&st).into_pyobject(py)?.into_any().unbind()),
-            Some(OpResult::StatusLens(v)) => {
-                let v: Vec<(u8, u64)> = v.into_iter().map(|(s, n)| (s as u8, n)).collect();
-                Some(v.into_pyobject(py)?.into_any().unbind())
-            }
-            Some(OpResult::Panicked(msg)) => return Err(internal_error(&msg)),
-        })
+        Ok(py.detach(move || op.wait(t)))
     }
 }
 

@@ -1,0 +1,67 @@
+"""Latency of one batched existence check through the Python client, next to the native call.
+
+Starts a local `memkv serve`, stores --keys small values, then times one EXISTS of all of them
+(every key a hit) three ways, interleaved round by round so that machine noise hits all alike:
+  * native — the extension's call alone (`memkv_vllm._native.Client.exists`, keys already a list);
+  * codes  — `MemKVClient.codes.exists`: the fast path, one `bytes` of status codes per batch;
+  * enums  — `MemKVClient.exists`: a `Status` enum per key.
+Prints the median and the 10th-90th percentile spread of each, in microseconds.
+
+    python benchmarks/exists_latency.py [--keys 1000] [--rounds 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from memkv_procs import MemKVServer  # noqa: E402
+
+from memkv_vllm.client import MemKVClient, Status  # noqa: E402
+from memkv_vllm.config import load_config  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--keys", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=300)
+    a = ap.parse_args()
+    srv = MemKVServer(memory="64M", lanes=2).start()
+    try:
+        c = MemKVClient.from_config(load_config({"servers": [srv.address]}))
+        keys = [b"exists-bench/%06d" % i for i in range(a.keys)]
+        value = np.zeros(64, dtype=np.uint8)
+        assert c.put(keys, [value] * a.keys) == [Status.OK] * a.keys
+        native = c._c  # the extension object under the wrapper: what the native call costs
+        ways: dict[str, Callable[[], object]] = {
+            "native": lambda: native.exists(keys, 0),
+            "codes": lambda: c.codes.exists(keys),
+            "enums": lambda: c.exists(keys),
+        }
+        # The same answer every way (all hits), checked before timing anything.
+        assert c.codes.exists(keys) == bytes(a.keys) and c.exists(keys) == [Status.OK] * a.keys
+        us: dict[str, list[float]] = {name: [] for name in ways}
+        names = list(ways)
+        for r in range(a.rounds):
+            for name in names[r % 3:] + names[:r % 3]:  # rotate who goes first
+                t0 = time.perf_counter_ns()
+                ways[name]()
+                us[name].append((time.perf_counter_ns() - t0) / 1e3)
+        print(f"EXISTS of {a.keys} keys (all hits), loopback, {a.rounds} interleaved rounds, us:")
+        for name, v in us.items():
+            q = statistics.quantiles(v, n=10)
+            print(f"  {name:6} median {statistics.median(v):7.0f}   p10-p90 {q[0]:6.0f} - "
+                  f"{q[-1]:6.0f}")
+    finally:
+        srv.kill()
+
+
+if __name__ == "__main__":
+    main()
