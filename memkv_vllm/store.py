@@ -32,9 +32,6 @@ __all__ = ["BlockStore", "Completion", "Lookup", "StoreOptions"]
 
 logger = logging.getLogger(__name__)
 
-_OK_CODES = (Status.OK, Status.OK_NO_LEASE)
-
-
 @attrs.define
 class StoreOptions:
     n_read_threads: int = 8
@@ -251,7 +248,7 @@ class BlockStore:
             for k, s in zip(p.keys, statuses, strict=True):
                 if self._probing.get(k) is p:
                     del self._probing[k]
-                if s in _OK_CODES:
+                if Status.is_ok(s):
                     self._set(k, Lookup.HIT, now + self.options.hit_ttl_s)
                 else:
                     if s not in (Status.NOT_FOUND, Status.TIMEOUT):
@@ -377,7 +374,7 @@ class BlockStore:
         return [c for c, _ in finished]
 
     def _complete(self, job: _Job, now: float) -> tuple[Completion, list[_Buffer]]:
-        ok = [s in _OK_CODES for s in job.statuses]
+        ok = [Status.is_ok(s) for s in job.statuses]
         ok_keys = [k for k, good in zip(job.keys, ok, strict=True) if good]
         failed = [k for k, good in zip(job.keys, ok, strict=True) if not good]
         nbytes = sum(sz for sz, good in zip(job.sizes, ok, strict=True) if good)
