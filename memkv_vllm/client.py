@@ -121,19 +121,17 @@ class MemKVClient:
         ptrs, sizes = self._addresses(buffers, writable=True)
         return _statuses(self._c.get_into(list(keys), ptrs, sizes))
 
-    def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
-                 owner: object = None) -> list[Status]:
+    def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
+                 ) -> list[Status]:
         """Stores ``sizes[i]`` bytes at address ``ptrs[i]`` under ``keys[i]``.
 
         UNSAFE: nothing checks the addresses. The caller guarantees that every range is readable
-        memory that stays valid and unchanged until this blocking call returns (``owner`` is
-        only a reminder to keep its owner referenced; the caller's frame holds it anyway).
+        memory that stays valid and unchanged until this blocking call returns.
         """
-        del owner
         return _statuses(self._c.put(list(keys), list(ptrs), list(sizes)))
 
-    def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
-                      owner: object = None) -> list[Status]:
+    def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
+                      ) -> list[Status]:
         """Reads ``keys[i]`` into ``sizes[i]`` bytes at address ``ptrs[i]``.
 
         UNSAFE: nothing checks the addresses. The caller guarantees that every range is
@@ -143,7 +141,6 @@ class MemKVClient:
         UNAVAILABLE, PROTOCOL_ERROR) may leave part of the value in that key's range. Nothing is
         written after the call returns.
         """
-        del owner
         return _statuses(self._c.get_into(list(keys), list(ptrs), list(sizes)))
 
     def delete(self, keys: Sequence[bytes]) -> list[Status]:

@@ -127,15 +127,15 @@ class BlockClient(Protocol):
         holds for that long (a lookup hit then survives until its load). Non-blocking."""
         ...
 
-    def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
-                      owner: object = None) -> Sequence[int]:
+    def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
+                      ) -> Sequence[int]:
         """UNSAFE raw-pointer API: read each key into `sizes[i]` bytes at address `ptrs[i]`.
-        One status per key; OK only if the stored value has exactly that length. `owner` keeps
-        the memory's Python owner referenced for the duration of the call."""
+        One status per key; OK only if the stored value has exactly that length. The memory's
+        owner is kept by the offloader's buffer registration (see `Offloader.register_buffer`)."""
         ...
 
-    def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
-                 owner: object = None) -> Sequence[int]:
+    def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
+                 ) -> Sequence[int]:
         """UNSAFE raw-pointer API: store `sizes[i]` bytes at address `ptrs[i]` under each key.
         One status per key."""
         ...

@@ -327,12 +327,11 @@ class BlockStore:
                 continue
             job, lo, hi = item
             client = self._client
-            owner = job.buffers[0].owner if len(job.buffers) == 1 else job.buffers
             try:
                 assert client is not None
                 fn = client.get_into_ptrs if is_load else client.put_ptrs
-                st = [int(s) for s in fn(job.keys[lo:hi], job.ptrs[lo:hi], job.sizes[lo:hi],
-                                         owner=owner)]
+                # `job` holds its registered buffers, and they their owners, during the call.
+                st = [int(s) for s in fn(job.keys[lo:hi], job.ptrs[lo:hi], job.sizes[lo:hi])]
                 if len(st) != hi - lo:
                     raise RuntimeError(f"client returned {len(st)} statuses for {hi - lo} keys")
             except Exception as e:  # an exception here must not kill the pool or hang the job
