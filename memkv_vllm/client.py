@@ -69,10 +69,11 @@ class Op:
         return bool(self._op.done())
 
     def wait(self, timeout: float | None = None) -> list[Status] | None:
+        if self._exists:
+            lengths = self.wait_lengths(timeout)
+            return None if lengths is None else [s for s, _ in lengths]
         r = self._op.wait(timeout)
-        if r is None:
-            return None
-        return [Status(s) for s, _ in r] if self._exists else _statuses(r)
+        return None if r is None else _statuses(r)
 
     def wait_lengths(self, timeout: float | None = None) -> list[tuple[Status, int]] | None:
         """For EXISTS ops: (status, stored value length) per key."""
@@ -108,7 +109,7 @@ class MemKVClient:
     # -- blocking calls (GIL released during I/O) ------------------------------------------
 
     def exists(self, keys: Sequence[bytes], lease_ms: int = 0) -> list[Status]:
-        return [Status(s) for s, _ in self._c.exists(list(keys), lease_ms)]
+        return [s for s, _ in self.exists_lengths(keys, lease_ms)]
 
     def exists_lengths(self, keys: Sequence[bytes], lease_ms: int = 0) -> list[tuple[Status, int]]:
         return [(Status(s), n) for s, n in self._c.exists(list(keys), lease_ms)]
