@@ -14,7 +14,6 @@ coming back once); :meth:`MemKVClient.stats` and :meth:`MemKVClient.health` show
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 from collections.abc import Sequence
@@ -22,41 +21,13 @@ from typing import Any
 
 from memkv_vllm import _native
 from memkv_vllm.config import MemKVConfig, load_config
+from memkv_vllm.interface import Status
 
 __all__ = ["MAX_KEY_LEN", "CodesClient", "CodesOp", "MemKVClient", "Op", "Status", "buffer_address"]
 
 log = logging.getLogger(__name__)
 
 MAX_KEY_LEN: int = _native.MAX_KEY_LEN
-
-
-class Status(enum.IntEnum):
-    """Per-key outcome. 0..8 are the wire protocol's status bytes; 16 and up only the client
-    produces (the native client defines the same numbers; a test checks they agree).
-
-    PUT: ``OK`` means stored. ``TIMEOUT``, ``UNAVAILABLE`` and ``PROTOCOL_ERROR`` mean unknown
-    (the value may have reached the server before the failure; a later GET then returns exactly
-    these bytes or a miss, never other bytes). Every other status means not stored.
-    """
-
-    OK = 0
-    NOT_FOUND = 1
-    LENGTH_MISMATCH = 2
-    TOO_LARGE = 3  # the value exceeds the server's limit; nothing stored
-    NO_SPACE = 4
-    UNAVAILABLE = 5  # the server is marked down after a failure (see health()), or the link broke
-    CORRUPT = 6
-    INVALID_KEY = 7
-    OK_NO_LEASE = 8
-    TIMEOUT = 16  # the operation's deadline (op_timeout_s) passed before this key's answer
-    REFUSED = 17  # the server refused the connection (nothing listens there)
-    AUTH_FAILED = 18  # the server needs an auth key and ours is missing or wrong
-    PROTOCOL_ERROR = 19  # the server's reply is not valid memkv protocol
-
-    @staticmethod
-    def is_ok(s: int) -> bool:
-        """True when the value is there (EXISTS) or its bytes arrived (GET/PUT)."""
-        return s == Status.OK or s == Status.OK_NO_LEASE
 
 
 def buffer_address(obj: Any, writable: bool) -> tuple[int, int]:
@@ -162,16 +133,14 @@ class CodesClient:
         ptrs, sizes = _addresses(buffers, writable=True)
         return self._c.get_into(list(keys), ptrs, sizes)  # type: ignore[no-any-return]
 
-    def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
-                 owner: object = None) -> bytes:
+    def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
+                 ) -> bytes:
         """UNSAFE, as :meth:`MemKVClient.put_ptrs`."""
-        del owner
         return self._c.put(list(keys), list(ptrs), list(sizes))  # type: ignore[no-any-return]
 
-    def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
-                      owner: object = None) -> bytes:
+    def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
+                      ) -> bytes:
         """UNSAFE, as :meth:`MemKVClient.get_into_ptrs`."""
-        del owner
         return self._c.get_into(list(keys), list(ptrs), list(sizes))  # type: ignore[no-any-return]
 
     def delete(self, keys: Sequence[bytes]) -> bytes:
@@ -248,18 +217,17 @@ class MemKVClient:
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[Status]:
         return _statuses(self.codes.get_into(keys, buffers))
 
-    def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
-                 owner: object = None) -> list[Status]:
+    def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
+                 ) -> list[Status]:
         """Stores ``sizes[i]`` bytes at address ``ptrs[i]`` under ``keys[i]``.
 
         UNSAFE: nothing checks the addresses. The caller guarantees that every range is readable
-        memory that stays valid and unchanged until this blocking call returns (``owner`` is
-        only a reminder to keep its owner referenced; the caller's frame holds it anyway).
+        memory that stays valid and unchanged until this blocking call returns.
         """
-        return _statuses(self.codes.put_ptrs(keys, ptrs, sizes, owner))
+        return _statuses(self.codes.put_ptrs(keys, ptrs, sizes))
 
-    def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
-                      owner: object = None) -> list[Status]:
+    def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
+                      ) -> list[Status]:
         """Reads ``keys[i]`` into ``sizes[i]`` bytes at address ``ptrs[i]``.
 
         UNSAFE: nothing checks the addresses. The caller guarantees that every range is
@@ -269,7 +237,7 @@ class MemKVClient:
         UNAVAILABLE, PROTOCOL_ERROR) may leave part of the value in that key's range. Nothing is
         written after the call returns.
         """
-        return _statuses(self.codes.get_into_ptrs(keys, ptrs, sizes, owner))
+        return _statuses(self.codes.get_into_ptrs(keys, ptrs, sizes))
 
     def delete(self, keys: Sequence[bytes]) -> list[Status]:
         return _statuses(self.codes.delete(keys))

@@ -16,12 +16,13 @@ No vLLM imports: the spec reads the fields from vLLM and passes them here.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from pathlib import Path
 
 import attrs
+
+from memkv_vllm.keys import canonical_json
 
 _MAGIC = b"mkD1"  # never the first bytes of a tier-mode key (those are readable path names)
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -50,8 +51,7 @@ class DirectKeyLayout:
     def _digest(self) -> bytes:
         fields = {a.name: getattr(self, a.name) for a in attrs.fields(type(self))
                   if a.name != "digest"}
-        text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).digest()[:16]
+        return hashlib.sha256(canonical_json(fields).encode()).digest()[:16]
 
     @property
     def prefix(self) -> bytes:

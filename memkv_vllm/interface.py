@@ -31,26 +31,36 @@ import attrs
 
 
 class Status(enum.IntEnum):
-    """Per-key outcome of a `BlockClient` call (the numbers of memkv_vllm.client.Status).
+    """Per-key outcome of a `BlockClient` call; `memkv_vllm.client` returns these.
 
-    0-8 are memkv's wire status codes; 16 and up are decided by the client itself and never sent.
-    An `Offloader` treats OK and OK_NO_LEASE as success and every other code as "this key did not
-    transfer"; TIMEOUT additionally means the request may still be in flight (see `BlockClient`).
+    0-8 are memkv's wire status codes; 16 and up are decided by the client itself and never sent
+    (the native client defines the same numbers; a test checks they agree). An `Offloader` treats
+    OK and OK_NO_LEASE as success and every other code as "this key did not transfer"; TIMEOUT
+    additionally means the request may still be in flight (see `BlockClient`).
+
+    PUT: ``OK`` means stored. ``TIMEOUT``, ``UNAVAILABLE`` and ``PROTOCOL_ERROR`` mean unknown
+    (the value may have reached the server before the failure; a later GET then returns exactly
+    these bytes or a miss, never other bytes). Every other status means not stored.
     """
 
     OK = 0
     NOT_FOUND = 1
     LENGTH_MISMATCH = 2
-    TOO_LARGE = 3
+    TOO_LARGE = 3  # the value exceeds the server's limit; nothing stored
     NO_SPACE = 4
-    UNAVAILABLE = 5
+    UNAVAILABLE = 5  # the server is marked down after a failure (MemKVClient.health), or link broke
     CORRUPT = 6
     INVALID_KEY = 7
     OK_NO_LEASE = 8
-    TIMEOUT = 16
-    REFUSED = 17
-    AUTH_FAILED = 18
-    PROTOCOL_ERROR = 19
+    TIMEOUT = 16  # the operation's deadline (op_timeout_s) passed before this key's answer
+    REFUSED = 17  # the server refused the connection (nothing listens there)
+    AUTH_FAILED = 18  # the server needs an auth key and ours is missing or wrong
+    PROTOCOL_ERROR = 19  # the server's reply is not valid memkv protocol
+
+    @staticmethod
+    def is_ok(s: int) -> bool:
+        """True when the value is there (EXISTS) or its bytes arrived (GET/PUT)."""
+        return s == Status.OK or s == Status.OK_NO_LEASE
 
 
 class Lookup(enum.Enum):
@@ -117,15 +127,15 @@ class BlockClient(Protocol):
         holds for that long (a lookup hit then survives until its load). Non-blocking."""
         ...
 
-    def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
-                      owner: object = None) -> Sequence[int]:
+    def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
+                      ) -> Sequence[int]:
         """UNSAFE raw-pointer API: read each key into `sizes[i]` bytes at address `ptrs[i]`.
-        One status per key; OK only if the stored value has exactly that length. `owner` keeps
-        the memory's Python owner referenced for the duration of the call."""
+        One status per key; OK only if the stored value has exactly that length. The memory's
+        owner is kept by the offloader's buffer registration (see `Offloader.register_buffer`)."""
         ...
 
-    def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
-                 owner: object = None) -> Sequence[int]:
+    def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
+                 ) -> Sequence[int]:
         """UNSAFE raw-pointer API: store `sizes[i]` bytes at address `ptrs[i]` under each key.
         One status per key."""
         ...

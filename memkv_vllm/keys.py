@@ -26,14 +26,15 @@ MAX_KEY_BYTES = 480
 _MAX_MODEL_CHARS = 96
 
 
-def _canonical_json(fields: Mapping[str, Any]) -> str:
+def canonical_json(fields: Mapping[str, Any]) -> str:
+    """`fields` as JSON that depends on nothing but their values (what namespace digests hash)."""
     # sort_keys + compact separators: the digest must not depend on dict order or whitespace.
     return json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
 
 
 def config_digest(fields: Mapping[str, Any]) -> str:
     """12 hex chars of sha256 over the canonical JSON of `fields` (FileMapper's length)."""
-    return hashlib.sha256(_canonical_json(fields).encode()).hexdigest()[:12]
+    return hashlib.sha256(canonical_json(fields).encode()).hexdigest()[:12]
 
 
 def safe_model_name(model: str) -> str:
@@ -84,4 +85,4 @@ class KeyLayout:
         return name
 
     def describe(self) -> str:
-        return _canonical_json({**self.fields, "model_name": self.model, "prefix": self.prefix})
+        return canonical_json({**self.fields, "model_name": self.model, "prefix": self.prefix})

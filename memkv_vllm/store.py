@@ -32,9 +32,6 @@ __all__ = ["BlockStore", "Completion", "Lookup", "StoreOptions"]
 
 logger = logging.getLogger(__name__)
 
-_OK_CODES = (Status.OK, Status.OK_NO_LEASE)
-
-
 @attrs.define
 class StoreOptions:
     n_read_threads: int = 8
@@ -151,19 +148,23 @@ class BlockStore:
         if isinstance(self._client, RegisteringClient):
             self._client.unregister_buffer(b.ptr)
 
-    def _buffers_of(self, ptrs: Sequence[int], sizes: Sequence[int]) -> list[_Buffer]:
-        """The registered buffers the ranges fall in; ValueError if any range is outside them."""
+    def _checked(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
+                 ) -> tuple[list[int], list[int], list[_Buffer | None]]:
+        """`ptrs` and `sizes` as ints, and the registered buffer each range falls in (None for
+        all once closed: the job then completes failed without I/O). ValueError for lists of
+        different lengths or a range outside every registered buffer."""
+        if not len(keys) == len(ptrs) == len(sizes):
+            raise ValueError(f"{len(keys)} keys, {len(ptrs)} pointers, {len(sizes)} sizes")
+        ptrs, sizes = [int(p) for p in ptrs], [int(s) for s in sizes]
         if self._closed:
-            return []  # the job completes failed without I/O
-        found: dict[int, _Buffer] = {}
-        for p, n in zip(ptrs, sizes, strict=True):
-            for b in self._buffers.values():
-                if b.ptr <= p and p + n <= b.ptr + b.nbytes and n >= 0:
-                    found[b.ptr] = b
-                    break
-            else:
-                raise ValueError(f"memory {p:#x}+{n} is not inside a registered buffer")
-        return list(found.values())
+            return ptrs, sizes, [None] * len(ptrs)
+        return ptrs, sizes, [self._buffer_of(p, n) for p, n in zip(ptrs, sizes, strict=True)]
+
+    def _buffer_of(self, p: int, n: int) -> _Buffer:
+        for b in self._buffers.values():
+            if b.ptr <= p and p + n <= b.ptr + b.nbytes and n >= 0:
+                return b
+        raise ValueError(f"memory {p:#x}+{n} is not inside a registered buffer")
 
     # ----------------------------------------------------------------------------- lookups
     def lookup(self, key: bytes) -> Lookup:
@@ -251,7 +252,7 @@ class BlockStore:
             for k, s in zip(p.keys, statuses, strict=True):
                 if self._probing.get(k) is p:
                     del self._probing[k]
-                if s in _OK_CODES:
+                if Status.is_ok(s):
                     self._set(k, Lookup.HIT, now + self.options.hit_ttl_s)
                 else:
                     if s not in (Status.NOT_FOUND, Status.TIMEOUT):
@@ -265,19 +266,17 @@ class BlockStore:
     # ----------------------------------------------------------------------------- transfers
     def submit_load(self, job_id: int, keys: Sequence[bytes], ptrs: Sequence[int],
                     sizes: Sequence[int]) -> None:
-        self._submit(True, job_id, keys, ptrs, sizes)
+        self._submit(True, job_id, list(keys), *self._checked(keys, ptrs, sizes))
 
     def submit_store(self, job_id: int, keys: Sequence[bytes], ptrs: Sequence[int],
                      sizes: Sequence[int]) -> None:
-        if not len(keys) == len(ptrs) == len(sizes):
-            raise ValueError(f"{len(keys)} keys, {len(ptrs)} pointers, {len(sizes)} sizes")
-        self._buffers_of(ptrs, sizes)  # validate before any accounting
+        ptrs, sizes, bufs = self._checked(keys, ptrs, sizes)  # before any accounting
         now = self._clock()
         present = [self._known_hit(k, now) for k in keys]
         todo = [i for i, p in enumerate(present) if not p]
         skipped = tuple(k for k, p in zip(keys, present, strict=True) if p)
         self._stats["store_blocks_skipped"] += len(skipped)
-        nbytes = sum(int(sizes[i]) for i in todo)
+        nbytes = sum(sizes[i] for i in todo)
         if todo and self._store_backlog + nbytes > self.options.max_store_backlog_bytes:
             # Shedding drops the newest work: the blocks stay computable, the engine never waits.
             self._stats["store_jobs_shed"] += 1
@@ -287,21 +286,21 @@ class BlockStore:
         self._store_backlog += nbytes
         self._store_bytes_by_job[job_id] = nbytes
         self._submit(False, job_id, [keys[i] for i in todo], [ptrs[i] for i in todo],
-                     [sizes[i] for i in todo], skipped)
+                     [sizes[i] for i in todo], [bufs[i] for i in todo], skipped)
 
     def _known_hit(self, key: bytes, now: float) -> bool:
         v = self._verdicts.get(key)
         return v is not None and v[0] is Lookup.HIT and v[1] > now
 
-    def _submit(self, is_load: bool, job_id: int, keys: Sequence[bytes], ptrs: Sequence[int],
-                sizes: Sequence[int], skipped: tuple[bytes, ...] = ()) -> None:
-        if not len(keys) == len(ptrs) == len(sizes):
-            raise ValueError(f"{len(keys)} keys, {len(ptrs)} pointers, {len(sizes)} sizes")
-        ptrs, sizes = [int(p) for p in ptrs], [int(s) for s in sizes]
-        buffers = self._buffers_of(ptrs, sizes)
+    def _submit(self, is_load: bool, job_id: int, keys: list[bytes], ptrs: list[int],
+                sizes: list[int], per_range: list[_Buffer | None],
+                skipped: tuple[bytes, ...] = ()) -> None:
+        """Start a job over ranges `_checked` accepted (`per_range`: its buffer per range)."""
+        # Each buffer once, in order of first use (dict keys are ordered).
+        buffers = list({id(b): b for b in per_range if b is not None}.values())
         for b in buffers:
             b.jobs += 1
-        job = _Job(job_id, is_load, list(keys), ptrs, sizes, buffers, self._clock(), skipped)
+        job = _Job(job_id, is_load, keys, ptrs, sizes, buffers, self._clock(), skipped)
         job.statuses = [Status.UNAVAILABLE] * len(job.keys)
         self._stats["load_jobs" if is_load else "store_jobs"] += 1
         n = len(job.keys)
@@ -328,12 +327,11 @@ class BlockStore:
                 continue
             job, lo, hi = item
             client = self._client
-            owner = job.buffers[0].owner if len(job.buffers) == 1 else job.buffers
             try:
                 assert client is not None
                 fn = client.get_into_ptrs if is_load else client.put_ptrs
-                st = [int(s) for s in fn(job.keys[lo:hi], job.ptrs[lo:hi], job.sizes[lo:hi],
-                                         owner=owner)]
+                # `job` holds its registered buffers, and they their owners, during the call.
+                st = [int(s) for s in fn(job.keys[lo:hi], job.ptrs[lo:hi], job.sizes[lo:hi])]
                 if len(st) != hi - lo:
                     raise RuntimeError(f"client returned {len(st)} statuses for {hi - lo} keys")
             except Exception as e:  # an exception here must not kill the pool or hang the job
@@ -377,7 +375,7 @@ class BlockStore:
         return [c for c, _ in finished]
 
     def _complete(self, job: _Job, now: float) -> tuple[Completion, list[_Buffer]]:
-        ok = [s in _OK_CODES for s in job.statuses]
+        ok = [Status.is_ok(s) for s in job.statuses]
         ok_keys = [k for k, good in zip(job.keys, ok, strict=True) if good]
         failed = [k for k, good in zip(job.keys, ok, strict=True) if not good]
         nbytes = sum(sz for sz, good in zip(job.sizes, ok, strict=True) if good)

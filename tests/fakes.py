@@ -94,12 +94,12 @@ class FakeClient:
                     out.append(Status.OK)
         return out
 
-    def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
-                      owner: object = None) -> list[int]:
+    def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
+                      ) -> list[int]:
         return self._transfer("get", keys, ptrs, sizes)
 
-    def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
-                 owner: object = None) -> list[int]:
+    def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
+                 ) -> list[int]:
         return self._transfer("put", keys, ptrs, sizes)
 
     def delete(self, keys: Sequence[bytes]) -> list[int]:

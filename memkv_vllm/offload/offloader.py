@@ -126,20 +126,14 @@ class KVOffloader:
         job = _Job(job_id, is_load, collections.deque(entries), None, self._clock(),
                    len(entries), 0 if is_load else len(entries))
         if self._closed:
-            job.pending.clear()
-            job.failed = [b for e in entries for b in e.block_ids]
-            job.open = job.uncopied = 0
-            self._finish(job)
+            self._fail_unstarted(job)
             return
         try:
             job.ready = self.mover.ready_marker()
         except Exception as e:  # a broken device must not reach the caller's hot path
             logger.warning("memkv offload: cannot order job %d after the compute stream: %s",
                            job_id, e)
-            job.pending.clear()
-            job.failed = [b for en in entries for b in en.block_ids]
-            job.open = job.uncopied = 0
-            self._finish(job)
+            self._fail_unstarted(job)
             return
         self._jobs[job_id] = job
         if not entries:
@@ -147,6 +141,13 @@ class KVOffloader:
             return
         self._queues[is_load].append(job)
         self._pump()
+
+    def _fail_unstarted(self, job: _Job) -> None:
+        """Finish a job none of whose entries started: every block failed."""
+        job.failed = [b for e in job.pending for b in e.block_ids]
+        job.pending.clear()
+        job.open = job.uncopied = 0
+        self._finish(job)
 
     # ----------------------------------------------------------------------------- progress
     def poll(self) -> list[JobResult]:
@@ -269,23 +270,18 @@ class KVOffloader:
         """BLOCKING: until the listed jobs no longer touch their KV blocks (see `_settled`);
         unknown or finished ids are ignored. False if that took longer than `timeout`."""
         ids = list(job_ids)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self._pump()
-            if self._settled(ids):
-                return True
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            self._block(left)
+        return self._wait_until(lambda: self._settled(ids), timeout)
 
     def drain(self, timeout: float | None = None) -> bool:
         """BLOCKING: until every submitted job has finished (its result waits in `poll`). False
         if that took longer than `timeout`."""
+        return self._wait_until(lambda: not self._jobs, timeout)
+
+    def _wait_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._pump()
-            if not self._jobs:
+            if done():
                 return True
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -309,7 +305,7 @@ class KVOffloader:
             return
         self.drain(timeout)
         self._closed = True
-        # Jobs still open (a load held for its failure grace, a stuck server) complete failed.
+        # Jobs still open (a server that did not answer within `timeout`) complete failed.
         for job in list(self._jobs.values()):
             for b in [*self._io.values(), *self._copying]:
                 if b.job is job:

@@ -59,6 +59,16 @@ type PerServer<T> = Vec<(String, Option<T>, Option<String>)>;
 /// Per server: (address, up, last failure's status code, its reason, seconds since it).
 type HealthRows = Vec<(String, bool, Option<u8>, Option<String>, Option<f64>)>;
 
+/// The client's per-server results as Python rows, each answer converted by `f`.
+fn per_server<T, U>(rows: memkv_client::PerServer<T>, f: impl Fn(T) -> U) -> PerServer<U> {
+    rows.into_iter()
+        .map(|(a, r)| match r {
+            Ok(v) => (a, Some(f(v)), None),
+            Err(e) => (a, None, Some(e)),
+        })
+        .collect()
+}
+
 /// One status code per key, as Python `bytes`.
 fn codes<'py>(py: Python<'py>, st: &[Status]) -> Bound<'py, PyBytes> {
     let v: Vec<u8> = st.iter().map(|s| *s as u8).collect();
@@ -230,27 +240,15 @@ impl PyClient {
     /// [(address, seconds or None, error or None)] per server.
     fn ping(&self, py: Python<'_>) -> PyResult<PerServer<f64>> {
         let c = &self.inner;
-        Ok(py
-            .detach(|| no_panic(|| c.ping()))?
-            .into_iter()
-            .map(|(a, r)| match r {
-                Ok(d) => (a, Some(d.as_secs_f64()), None),
-                Err(e) => (a, None, Some(e)),
-            })
-            .collect())
+        Ok(per_server(py.detach(|| no_panic(|| c.ping()))?, |d| {
+            d.as_secs_f64()
+        }))
     }
 
     /// [(address, stats JSON or None, error or None)] per server.
     fn stats(&self, py: Python<'_>) -> PyResult<PerServer<String>> {
         let c = &self.inner;
-        Ok(py
-            .detach(|| no_panic(|| c.stats()))?
-            .into_iter()
-            .map(|(a, r)| match r {
-                Ok(s) => (a, Some(s), None),
-                Err(e) => (a, None, Some(e)),
-            })
-            .collect())
+        Ok(per_server(py.detach(|| no_panic(|| c.stats()))?, |s| s))
     }
 
     /// [(address, up, last failure's status code or None, its reason or None, seconds since it
