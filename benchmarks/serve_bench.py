@@ -53,10 +53,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 # Child processes (memkv serve via `python -m memkv_vllm.cli`, vLLM) import this checkout.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 from memkv_procs import MemKVServer  # noqa: E402
+
+from memkv_vllm.plots import pyplot  # noqa: E402
 
 CONFIGS = ("plain", "pool", "cold", "restart")
 # The serving benchmark's entry point, called in-process in a child: `vllm bench serve` is the
@@ -270,13 +272,9 @@ def print_table(summary: dict[str, dict[str, list[float]]], rounds: int) -> None
 
 def plot(summary: dict[str, dict[str, list[float]]], path: str, title: str) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed in {sys.executable}: no plot "
-              "(pip install matplotlib, or drop --plot)")
+        plt = pyplot()
+    except SystemExit as e:  # the measurements are printed already: say why there is no chart
+        print(f"no plot from {sys.executable}: {e}")
         return
     labels = list(summary)
     fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))

@@ -471,14 +471,12 @@ def print_report(rows: list[dict], ex: dict[str, float], names: list[str],
 
 
 def plot(rows: list[dict], names: list[str], args: argparse.Namespace) -> None:
-    try:
-        import matplotlib
+    from memkv_vllm.plots import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed in {sys.executable}: no plot "
-              "(pip install matplotlib, or drop --plot)")
+    try:
+        plt = pyplot()
+    except SystemExit as e:  # the measurements are printed already: say why there is no chart
+        print(f"no plot from {sys.executable}: {e}")
         return
     labels = [f"{fmt_size(r['size'])} x{r['threads']}" for r in rows]
     fig, axes = plt.subplots(2, 1, figsize=(max(8, len(rows) * 0.9), 6), sharex=True)
