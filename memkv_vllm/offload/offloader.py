@@ -11,14 +11,27 @@ Jobs are cut into batches of `batch_values` values, so that the network sends th
 the copy engines gather the next. Scratch is a fixed pool of slots; entries wait for free slots
 (loads before stores) instead of allocating.
 
-Threads: like the `Offloader` below it, an offloader belongs to one owner thread; `submit_*` and
-`poll` never block, `wait` and `close` do. No vLLM imports; torch is imported by the movers.
+Threads: the pipeline advances on two progress threads of its own, not when the caller polls, so a
+vLLM worker that calls `poll` once per step still gets a gather's values onto the network as soon
+as the copy ends and a load's scatter started as soon as its values arrived:
+
+* the copy thread waits for the oldest copy's CUDA event (a blocking-sync event: the thread sleeps
+  in the driver, it does not spin on a core the engine needs), then hands the batch on;
+* the I/O thread sleeps in `BlockStore.wait_any` while values are on the network, then takes the
+  finished I/O and starts the scatters and the next batches.
+
+Every piece of state, the `BlockStore` included, is touched only under one lock, held for a few
+bookkeeping steps and copy launches and never while waiting, so the store still sees one caller at
+a time (its contract) and `submit_*` / `poll` never wait for the network. `submit_*` gathers the
+first batches on the caller's thread (no thread hop before the first copy); `wait`, `drain` and
+`close` block. No vLLM imports; torch is imported by the movers.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -33,6 +46,9 @@ from memkv_vllm.store import BlockStore
 logger = logging.getLogger(__name__)
 
 _SLOT_ALIGN = 4096  # slots start on page boundaries: friendlier to DMA and to future RDMA
+# How long the I/O thread sleeps in one BlockStore.wait_any: a completion wakes it at once, this
+# only bounds how late it notices close().
+_IO_WAIT_S = 0.2
 
 
 @attrs.frozen
@@ -73,7 +89,8 @@ class _Batch:
 
 
 class KVOffloader:
-    """Block-granular KV offloading over an `Offloader`; owns `store` (closes it)."""
+    """Block-granular KV offloading over an `Offloader`; owns `store` (closes it, and is the only
+    caller of it from now on)."""
 
     def __init__(self, kv: PagedKV, store: BlockStore, medium: str = "auto",
                  scratch_bytes: int = 256 << 20, batch_values: int = 4,
@@ -97,11 +114,18 @@ class KVOffloader:
         self._queues: dict[bool, collections.deque[_Job]] = {
             True: collections.deque(), False: collections.deque()}
         self._jobs: dict[int, _Job] = {}
-        self._copying: list[_Batch] = []
+        self._copying: collections.deque[_Batch] = collections.deque()  # in stream order
         self._io: dict[int, _Batch] = {}
         self._io_ids = 0
         self._finished: list[JobResult] = []
         self._closed = False
+        self._stopping = False
+        # One lock for all state; `_changed` wakes the progress threads and the blocking calls.
+        self._changed = threading.Condition(threading.Lock())
+        self._threads = [threading.Thread(target=fn, name=f"memkv-offload-{name}", daemon=True)
+                         for name, fn in (("copies", self._copy_loop), ("io", self._io_loop))]
+        for t in self._threads:
+            t.start()
 
     def describe(self) -> str:
         """One line for a startup log."""
@@ -119,28 +143,29 @@ class KVOffloader:
         self._submit(True, job_id, entries)
 
     def _submit(self, is_load: bool, job_id: int, entries: Sequence[Entry]) -> None:
-        if job_id in self._jobs:
-            raise ValueError(f"job {job_id} is already running")
         for e in entries:
             self.kv.check(e)
-        job = _Job(job_id, is_load, collections.deque(entries), None, self._clock(),
-                   len(entries), 0 if is_load else len(entries))
-        if self._closed:
-            self._fail_unstarted(job)
-            return
-        try:
-            job.ready = self.mover.ready_marker()
-        except Exception as e:  # a broken device must not reach the caller's hot path
-            logger.warning("memkv offload: cannot order job %d after the compute stream: %s",
-                           job_id, e)
-            self._fail_unstarted(job)
-            return
-        self._jobs[job_id] = job
-        if not entries:
-            self._finish(job)
-            return
-        self._queues[is_load].append(job)
-        self._pump()
+        with self._changed:
+            if job_id in self._jobs:
+                raise ValueError(f"job {job_id} is already running")
+            job = _Job(job_id, is_load, collections.deque(entries), None, self._clock(),
+                       len(entries), 0 if is_load else len(entries))
+            if self._closed:
+                self._fail_unstarted(job)
+                return
+            try:
+                job.ready = self.mover.ready_marker()
+            except Exception as e:  # a broken device must not reach the caller's hot path
+                logger.warning("memkv offload: cannot order job %d after the compute stream: %s",
+                               job_id, e)
+                self._fail_unstarted(job)
+                return
+            self._jobs[job_id] = job
+            if not entries:
+                self._finish(job)
+                return
+            self._queues[is_load].append(job)
+            self._advance()
 
     def _fail_unstarted(self, job: _Job) -> None:
         """Finish a job none of whose entries started: every block failed."""
@@ -151,26 +176,63 @@ class KVOffloader:
 
     # ----------------------------------------------------------------------------- progress
     def poll(self) -> list[JobResult]:
-        """Advance every stage without blocking; finished jobs, each exactly once."""
-        self._pump()
-        done, self._finished = self._finished, []
+        """Finished jobs, each exactly once. Never blocks on the pipeline: it advances by itself."""
+        with self._changed:
+            done, self._finished = self._finished, []
         return done
 
-    def _pump(self) -> None:
-        for c in self._store.poll():
-            batch = self._io.pop(c.job_id, None)
-            if batch is not None:
-                self._io_done(batch, c)
-        still = []
-        for b in self._copying:
-            if b.fence is not None and b.fence.done():
-                self._copied(b)
-            else:
-                still.append(b)
-        self._copying = still
-        self._assign()
+    def _advance(self) -> None:
+        """Under the lock: take finished I/O and copies, start what slots allow. Wakes waiters."""
+        while True:
+            progressed = False
+            for c in self._store.poll():  # also the jobs a submit finished at once (shed, ...)
+                batch = self._io.pop(c.job_id, None)
+                if batch is not None:
+                    self._io_done(batch, c)
+                    progressed = True
+            while self._copying and self._copying[0].fence.done():  # type: ignore[union-attr]
+                self._copied(self._copying.popleft())
+                progressed = True
+            progressed = self._assign() or progressed
+            if not progressed:
+                break
+        self._changed.notify_all()
 
-    def _assign(self) -> None:
+    def _copy_loop(self) -> None:
+        """Progress thread: sleep on the oldest copy's event, then advance."""
+        while True:
+            with self._changed:
+                while not self._copying and not self._stopping:
+                    self._changed.wait()
+                if self._stopping:
+                    return
+                batch = self._copying[0]
+            try:
+                batch.fence.wait()  # type: ignore[union-attr]  # releases the lock and the GIL
+            except Exception as e:  # a failed copy fails its batch, never this thread
+                with self._changed:
+                    if self._copying and self._copying[0] is batch:
+                        self._copying.popleft()
+                        self._copy_failed(batch, e)
+                        self._advance()
+                continue
+            with self._changed:
+                self._advance()
+
+    def _io_loop(self) -> None:
+        """Progress thread: sleep in the store until some I/O finished, then advance."""
+        while True:
+            with self._changed:
+                while not self._io and not self._stopping:
+                    self._changed.wait()
+                if self._stopping:
+                    return
+            if self._store.wait_any(_IO_WAIT_S):
+                with self._changed:
+                    self._advance()
+
+    def _assign(self) -> bool:
+        started = False
         for is_load in (True, False):  # loads first: a request waits for them
             q = self._queues[is_load]
             while q and self._free:
@@ -181,6 +243,8 @@ class KVOffloader:
                 if not job.pending:
                     q.popleft()
                 self._start(_Batch(job, entries, slots))
+                started = True
+        return started
 
     def _ptrs(self, b: _Batch) -> list[int]:
         return [self._host_base + s * self.slot_bytes for s in b.slots]
@@ -195,11 +259,16 @@ class KVOffloader:
         try:
             b.fence = self.mover.gather(b.entries, b.slots, b.job.ready)
         except Exception as e:
-            logger.warning("memkv offload: gather for job %d failed: %s", b.job.job_id, e)
-            b.job.uncopied -= len(b.entries)
-            self._settle(b, [False] * len(b.entries))
+            self._copy_failed(b, e)
             return
         self._copying.append(b)
+
+    def _copy_failed(self, b: _Batch, e: Exception) -> None:
+        logger.warning("memkv offload: %s for job %d failed: %s",
+                       "scatter" if b.job.is_load else "gather", b.job.job_id, e)
+        if not b.job.is_load:
+            b.job.uncopied -= len(b.entries)
+        self._settle(b, [False] * len(b.entries))
 
     def _submit_io(self, b: _Batch) -> None:
         self._io_ids += 1
@@ -232,8 +301,7 @@ class KVOffloader:
             b.fence = self.mover.scatter([b.entries[i] for i in good],
                                          [b.slots[i] for i in good], b.job.ready)
         except Exception as e:
-            logger.warning("memkv offload: scatter for job %d failed: %s", b.job.job_id, e)
-            self._settle(b, [False] * len(b.entries))
+            self._copy_failed(b, e)
             return
         self._copying.append(b)
 
@@ -255,6 +323,7 @@ class KVOffloader:
         self._finished.append(JobResult(
             job.job_id, job.is_load, not job.failed, tuple(job.ok_keys), tuple(job.failed),
             job.nbytes, max(0.0, self._clock() - job.t0)))
+        self._changed.notify_all()
 
     # ----------------------------------------------------------------------------- blocking
     def _settled(self, job_ids: Iterable[int]) -> bool:
@@ -270,49 +339,40 @@ class KVOffloader:
         """BLOCKING: until the listed jobs no longer touch their KV blocks (see `_settled`);
         unknown or finished ids are ignored. False if that took longer than `timeout`."""
         ids = list(job_ids)
-        return self._wait_until(lambda: self._settled(ids), timeout)
+        with self._changed:
+            return self._changed.wait_for(lambda: self._settled(ids), timeout)
 
     def drain(self, timeout: float | None = None) -> bool:
         """BLOCKING: until every submitted job has finished (its result waits in `poll`). False
         if that took longer than `timeout`."""
-        return self._wait_until(lambda: not self._jobs, timeout)
-
-    def _wait_until(self, done: Callable[[], bool], timeout: float | None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self._pump()
-            if done():
-                return True
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            self._block(left)
-
-    def _block(self, left: float | None) -> None:
-        """Wait for the next thing that can make progress: the oldest copy, or any I/O."""
-        if self._copying:
-            self._copying[0].fence.wait()  # type: ignore[union-attr]
-        else:
-            self._store.wait_any(0.05 if left is None else min(0.05, left))
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._jobs, timeout)
 
     def has_pending_jobs(self) -> bool:
-        return bool(self._jobs or self._finished)
+        with self._changed:
+            return bool(self._jobs or self._finished)
 
     def close(self, timeout: float = 10.0) -> None:
         """BLOCKING: finish what is running (up to `timeout`), then release the scratch and close
         the block store. Idempotent; later jobs complete failed."""
-        if self._closed:
-            return
+        with self._changed:
+            if self._closed:
+                return
         self.drain(timeout)
-        self._closed = True
-        # Jobs still open (a server that did not answer within `timeout`) complete failed.
-        for job in list(self._jobs.values()):
-            for b in [*self._io.values(), *self._copying]:
-                if b.job is job:
-                    job.failed.extend(blk for e in b.entries for blk in e.block_ids)
-            job.failed.extend(blk for e in job.pending for blk in e.block_ids)
-            self._finish(job)
-        self._io.clear()
-        self._copying.clear()
+        with self._changed:
+            self._closed = self._stopping = True
+            self._changed.notify_all()
+        for t in self._threads:
+            t.join(timeout=2 * _IO_WAIT_S + 1.0)
+        with self._changed:
+            # Jobs still open (a server that did not answer within `timeout`) complete failed.
+            for job in list(self._jobs.values()):
+                for b in [*self._io.values(), *self._copying]:
+                    if b.job is job:
+                        job.failed.extend(blk for e in b.entries for blk in e.block_ids)
+                job.failed.extend(blk for e in job.pending for blk in e.block_ids)
+                self._finish(job)
+            self._io.clear()
+            self._copying.clear()
         self.mover.close()
         self._store.close(timeout)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from memkv_vllm.client import MemKVClient
 from memkv_vllm.config import load_config
 from memkv_vllm.offload import Entry, JobResult, KVOffloader, PagedKV
@@ -9,12 +12,13 @@ from memkv_vllm.store import BlockStore, StoreOptions
 
 
 def offloader(address: str, kv: PagedKV, medium: str = "auto", scratch_values: int = 64,
-              copy_method: str = "auto", **store_opts: object) -> KVOffloader:
+              copy_method: str = "auto", batch_values: int = 4,
+              **store_opts: object) -> KVOffloader:
     client = MemKVClient.from_config(load_config({"servers": [address]}))
     store = BlockStore(client, StoreOptions(**store_opts))  # type: ignore[arg-type]
     slot = -(-kv.max_value_bytes // 4096) * 4096
     return KVOffloader(kv, store, medium=medium, scratch_bytes=scratch_values * slot,
-                       copy_method=copy_method)
+                       batch_values=batch_values, copy_method=copy_method)
 
 
 def run(off: KVOffloader, job_id: int, entries: list[Entry], load: bool,
@@ -25,6 +29,16 @@ def run(off: KVOffloader, job_id: int, entries: list[Entry], load: bool,
     results = off.poll()
     assert [r.job_id for r in results] == [job_id]
     return results[0]
+
+
+def until(cond: Callable[[], bool], timeout: float = 20.0) -> bool:
+    """Poll `cond` until it holds or `timeout` passes (for state only another thread changes)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def entries(prefix: bytes, group: int, blocks: list[int], bpv: int = 1) -> list[Entry]:

@@ -3,10 +3,14 @@ round trips in every layout, partial values, failures as values, scratch smaller
 
 from __future__ import annotations
 
+import signal
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
-from helpers import entries, offloader, run
+from helpers import entries, offloader, run, until
 from layouts import LAYOUTS, all_bytes, block_bytes
 
 from memkv_vllm.client import MemKVClient, Status
@@ -159,3 +163,50 @@ def test_closed_offloader_fails_new_jobs(memkv_server):
     off.submit_load(4, [Entry(b"k", 0, (2,))])
     (r,) = off.poll()
     assert r.job_id == 4 and not r.ok and r.failed_block_ids == (2,)
+
+
+def _offload_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("memkv-offload-")]
+
+
+def test_the_pipeline_advances_without_the_caller(memkv_server):
+    """Nobody calls poll, wait or drain: the progress threads still take each gathered batch to
+    the network, reuse its slot for the next one, and scatter loaded values into their blocks."""
+    kv = LAYOUTS["kv_per_layer"](32, "cpu")
+    off = offloader(memkv_server.address, kv, scratch_values=2, batch_values=1)
+    src, dst = list(range(0, 10)), list(range(20, 30))
+    es = entries(b"bg", 0, src)
+    want = [block_bytes(kv, 0, b) for b in src]
+    off.submit_store(1, es)  # 10 values through 2 slots: 8 gathers happen after submit returns
+    client = MemKVClient.from_config(load_config({"servers": [memkv_server.address]}))
+    keys = [e.key for e in es]
+    assert until(lambda: client.exists(keys) == [Status.OK] * len(keys)), "values not stored"
+    off.submit_load(2, [Entry(e.key, 0, (d,)) for e, d in zip(es, dst, strict=True)])
+    assert until(lambda: [block_bytes(kv, 0, b) for b in dst] == want), "blocks not loaded"
+    results: list = []
+    assert until(lambda: bool(results.extend(off.poll())) or len(results) == 2)
+    assert sorted((r.job_id, r.ok) for r in results) == [(1, True), (2, True)]
+    off.close()
+    client.close()
+    assert _offload_threads() == []
+
+
+def test_progress_threads_sleep_while_the_network_is_silent(memkv_server):
+    """A load waiting on a frozen server costs no CPU: the threads sleep, nothing spins."""
+    kv = LAYOUTS["kv_per_layer"](8, "cpu")
+    off = offloader(memkv_server.address, kv)
+    assert run(off, 1, [Entry(b"k", 0, (1,))], load=False).ok
+    assert memkv_server.proc is not None
+    memkv_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        off.submit_load(2, [Entry(b"k", 0, (2,))])
+        cpu, wall = time.process_time(), time.monotonic()
+        assert not off.drain(0.5)  # still on the network
+        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+        assert cpu < 0.2 * wall, f"{cpu:.3f} s of CPU in {wall:.3f} s of waiting"
+    finally:
+        memkv_server.proc.send_signal(signal.SIGCONT)
+    assert off.drain(30)
+    (r,) = off.poll()
+    assert r.job_id == 2 and r.ok and block_bytes(kv, 0, 2) == block_bytes(kv, 0, 1)
+    off.close()
