@@ -2,11 +2,15 @@
 
 Prints, per layout, scratch medium and job size (blocks per job):
   * copy   — gather KV blocks into scratch and bring them to pinned host memory (store side), and
-             the reverse (load side), through the offloader's mover alone, no network;
-  * memkv  — a whole store job and a whole load job through KVOffloader and a local `memkv serve`;
-and two ceilings: a pinned device<->host copy of the same bytes as one contiguous copy, and
-loopback TCP between two threads of this process (one connection). Every figure is GB/s
-(10^9 bytes/s) of value bytes, best of --repeat runs.
+             the reverse (load side), through the offloader's mover alone, no network: one job
+             (submit to its CUDA event), then --stream jobs submitted back to back (S columns);
+  * memkv  — a whole store job and a whole load job through KVOffloader and a local `memkv serve`,
+             submit to drain: one job, then --stream jobs submitted together (S columns);
+and the ceilings: a pinned device<->host copy of the same bytes as one contiguous copy, and
+loopback TCP between threads of this process, over one connection (a sender and a receiver
+thread) and over --conns connections (the client's connection count; %min uses this one, the
+smaller of it and the pinned copy). Every figure is GB/s (10^9 bytes/s) of value bytes, best of
+--repeat runs.
 
 Layouts: `llama` = 32 layers x 8 KV heads x head_dim 128, bf16, 16-token blocks (2 MiB values),
 `mla` = 61 layers x one 576-wide bf16 latent (1.1 MiB values).
@@ -73,78 +77,146 @@ def pinned_ceiling(nbytes: int, repeat: int) -> tuple[float, float]:
     return gbps(nbytes, best(d2h, repeat)), gbps(nbytes, best(h2d, repeat))
 
 
-def tcp_ceiling(nbytes: int, repeat: int) -> float:
-    """One loopback connection, a sender thread and a receiver thread, `nbytes` per run."""
-    lsock = socket.create_server(("127.0.0.1", 0))
-    snd = socket.create_connection(lsock.getsockname())
-    rcv, _ = lsock.accept()
-    for s in (snd, rcv):
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    src = memoryview(bytearray(nbytes))
-    dst = memoryview(bytearray(nbytes))
+class TcpLoop:
+    """`conns` loopback connections, each with a sender and a receiver thread that live for the
+    whole benchmark (thread start-up stays out of the timing); one run moves `nbytes` split
+    evenly over the connections. Socket calls release the GIL, so the threads run in parallel."""
 
-    def receive() -> None:
-        got = 0
-        while got < nbytes:
-            got += rcv.recv_into(dst[got:], min(nbytes - got, 1 << 20))
+    def __init__(self, conns: int, nbytes: int) -> None:
+        self.part = -(-nbytes // conns)
+        self.nbytes = self.part * conns
+        lsock = socket.create_server(("127.0.0.1", 0))
+        self.socks = []
+        self._go = threading.Barrier(2 * conns + 1)
+        self._done = threading.Barrier(2 * conns + 1)
+        self._stop = False
+        self._threads = []
+        for _ in range(conns):
+            snd = socket.create_connection(lsock.getsockname())
+            rcv, _ = lsock.accept()
+            for s in (snd, rcv):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.socks += [snd, rcv]
+            self._threads += [threading.Thread(target=self._send, args=(snd,), daemon=True),
+                              threading.Thread(target=self._receive, args=(rcv,), daemon=True)]
+        lsock.close()
+        for t in self._threads:
+            t.start()
 
-    def once() -> None:
-        t = threading.Thread(target=receive)
-        t.start()
-        snd.sendall(src)
-        t.join()
+    def _send(self, s: socket.socket) -> None:
+        src = memoryview(bytearray(self.part))
+        while True:
+            self._go.wait()
+            if self._stop:
+                return
+            s.sendall(src)
+            self._done.wait()
 
-    once()
-    secs = best(once, repeat)
-    for s in (snd, rcv, lsock):
-        s.close()
-    return gbps(nbytes, secs)
+    def _receive(self, s: socket.socket) -> None:
+        dst = memoryview(bytearray(self.part))
+        while True:
+            self._go.wait()
+            if self._stop:
+                return
+            got = 0
+            while got < self.part:
+                got += s.recv_into(dst[got:], min(self.part - got, 1 << 20))
+            self._done.wait()
+
+    def once(self) -> None:
+        self._go.wait()
+        self._done.wait()
+
+    def close(self) -> None:
+        self._stop = True
+        self._go.wait()
+        for t in self._threads:
+            t.join()
+        for s in self.socks:
+            s.close()
 
 
-def offloader(address: str, kv: PagedKV, medium: str, n: int, method: str) -> KVOffloader:
-    cfg = load_config({"servers": [address], "connections_per_server": 8, "io_threads": 8})
+def tcp_ceiling(nbytes: int, repeat: int, conns: int) -> float:
+    """Over at least 256 MiB: below that, waking the threads is a visible part of a run and the
+    figure swings by 3x from one run to the next (seen on the H200 host)."""
+    loop = TcpLoop(conns, max(nbytes, 256 << 20))
+    try:
+        loop.once()
+        return gbps(loop.nbytes, best(loop.once, repeat))
+    finally:
+        loop.close()
+
+
+def offloader(address: str, kv: PagedKV, medium: str, n: int, method: str,
+              a: argparse.Namespace) -> KVOffloader:
+    cfg = load_config({"servers": [address], "connections_per_server": a.conns,
+                       "io_threads": a.io_threads})
     store = BlockStore(MemKVClient.from_config(cfg).codes,
-                       StoreOptions(n_read_threads=8, n_write_threads=8, blocks_per_op=1))
+                       StoreOptions(n_read_threads=a.io_threads, n_write_threads=a.io_threads,
+                                    blocks_per_op=1))
     name, _, programs = method.partition(":")
     return KVOffloader(kv, store, medium=medium, scratch_bytes=n * (kv.max_value_bytes + 4096),
-                       batch_values=max(4, n // 8), copy_method=name,
-                       copy_programs=int(programs or 32))
+                       batch_values=a.batch, copy_method=name, copy_programs=int(programs or 32))
 
 
-def copy_only(off: KVOffloader, n: int, repeat: int) -> tuple[float, float]:
+def spin(fence) -> None:
+    """The benchmark's own wait: spinning sees the end of a copy at once (the offloader's copy
+    thread sleeps in the driver instead, which wakes it a little later)."""
+    while not fence.done():
+        pass
+
+
+def copy_only(off: KVOffloader, n: int, repeat: int, stream: int) -> tuple[float, ...]:
+    """Gather and scatter GB/s of one job, then of `stream` jobs submitted back to back; and the
+    host's time to submit one gather (ready marker + gather call), in microseconds."""
     es = [Entry(b"%d" % i, 0, (i,)) for i in range(n)]
     slots = list(range(n))
     mover = off.mover
+    submit: list[float] = []
 
-    def gather() -> None:
-        mover.gather(es, slots, mover.ready_marker()).wait()
+    def gather(jobs: int = 1) -> None:
+        t0 = time.perf_counter()
+        for _ in range(jobs):
+            f = mover.gather(es, slots, mover.ready_marker())
+        submit.append((time.perf_counter() - t0) / jobs)
+        spin(f)
 
-    def scatter() -> None:
-        mover.scatter(es, slots, mover.ready_marker()).wait()
+    def scatter(jobs: int = 1) -> None:
+        for _ in range(jobs):
+            f = mover.scatter(es, slots, mover.ready_marker())
+        spin(f)
 
     gather(), scatter()
     nb = n * off.kv.value_bytes[0]
-    return gbps(nb, best(gather, repeat)), gbps(nb, best(scatter, repeat))
+    one = gbps(nb, best(gather, repeat))
+    us = 1e6 * min(submit[1:])
+    return (one, gbps(nb, best(scatter, repeat)),
+            gbps(stream * nb, best(lambda: gather(stream), repeat)),
+            gbps(stream * nb, best(lambda: scatter(stream), repeat)), us)
 
 
-def through_memkv(off: KVOffloader, n: int, repeat: int, tag: str) -> tuple[float, float]:
-    job = iter(range(1, 1 << 30))
+def through_memkv(off: KVOffloader, n: int, repeat: int, tag: str, jobs: int
+                  ) -> tuple[float, float]:
+    """Store and load GB/s of `jobs` jobs of `n` blocks submitted together, submit to drain."""
+    ids = iter(range(1, 1 << 30))
     last: list[Entry] = []
 
     def store() -> None:
-        j = next(job)  # new keys every run: a key already stored would be skipped
-        last[:] = [Entry(b"%s/%d/%d" % (tag.encode(), j, i), 0, (i,)) for i in range(n)]
-        off.submit_store(j, last)
+        for _ in range(jobs):
+            j = next(ids)  # new keys every job: a key already stored would be skipped
+            last[:] = [Entry(b"%s/%d/%d" % (tag.encode(), j, i), 0, (i,)) for i in range(n)]
+            off.submit_store(j, last)
         assert off.drain(60)
         assert all(r.ok for r in off.poll()), "store failed"
 
     def load() -> None:
-        off.submit_load(next(job), [Entry(e.key, 0, (n + i,)) for i, e in enumerate(last)])
+        for _ in range(jobs):
+            off.submit_load(next(ids), [Entry(e.key, 0, (n + i,)) for i, e in enumerate(last)])
         assert off.drain(60)
         assert all(r.ok for r in off.poll()), "load failed"
 
     store(), load()
-    nb = n * off.kv.value_bytes[0]
+    nb = jobs * n * off.kv.value_bytes[0]
     return gbps(nb, best(store, repeat)), gbps(nb, best(load, repeat))
 
 
@@ -156,15 +228,25 @@ def main() -> None:
     ap.add_argument("--methods", default="kernel:32,dma",
                     help="piece copies: kernel[:programs] (Triton) or dma (cuMemcpyBatchAsync)")
     ap.add_argument("--layouts", default="llama,mla")
-    ap.add_argument("--memory", default="16G", help="memkv serve --memory")
+    ap.add_argument("--memory", default="32G", help="memkv serve --memory")
+    ap.add_argument("--conns", type=int, default=8,
+                    help="client connections, and connections of the multi-connection TCP ceiling")
+    ap.add_argument("--io-threads", type=int, default=8,
+                    help="BlockStore I/O threads per direction")
+    ap.add_argument("--batch", type=int, default=4, help="KVOffloader batch_values")
+    ap.add_argument("--stream", type=int, default=8, help="jobs per streamed run")
+    ap.add_argument("--lanes", type=int, default=8, help="memkv serve --lanes")
     a = ap.parse_args()
     sizes = [int(x) for x in a.blocks.split(",")]
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    srv = MemKVServer(memory=a.memory, lanes=8).start()
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {a.conns} "
+          f"connections, {a.io_threads} I/O threads, {a.batch} values per batch, "
+          f"{a.stream} jobs per stream, server lanes {a.lanes}")
+    srv = MemKVServer(memory=a.memory, lanes=a.lanes).start()
     try:
-        print(f"{'layout':6} {'medium':6} {'method':9} {'blocks':>6} {'MiB':>6} | {'pin D2H':>7} "
-              f"{'pin H2D':>7} {'TCP':>6} | {'gather':>7} {'%':>4} {'scatter':>7} {'%':>4} | "
-              f"{'store':>6} {'load':>6} {'%min':>5}")
+        print(f"{'layout':6} {'medium':6} {'method':9} {'blocks':>6} {'MiB':>5} | {'pinD2H':>6} "
+              f"{'pinH2D':>6} {'TCP1':>5} {'TCP' + str(a.conns):>5} | {'gather':>6} {'%':>3} "
+              f"{'scat':>5} {'%':>3} {'subus':>5} | {'gathS':>5} {'%':>3} {'scatS':>5} {'%':>3} | "
+              f"{'store':>5} {'load':>5} {'%min':>4} | {'storeS':>6} {'loadS':>5} {'%min':>4}")
         for layout in a.layouts.split(","):
             kv = make_kv(layout, 2 * max(sizes))
             vb = kv.value_bytes[0]
@@ -172,16 +254,22 @@ def main() -> None:
                                                        a.methods.split(","), sizes):
                 nb = n * vb
                 d2h, h2d = pinned_ceiling(nb, a.repeat)
-                tcp = tcp_ceiling(nb, a.repeat)
-                off = offloader(srv.address, kv, medium, n, method)
-                g, s = copy_only(off, n, a.repeat)
-                st, ld = through_memkv(off, n, a.repeat, f"{layout}{medium}{method}{n}")
+                tcp1 = tcp_ceiling(nb, a.repeat, 1)
+                tcpn = tcp_ceiling(nb, a.repeat, a.conns)
+                off = offloader(srv.address, kv, medium, n, method, a)
+                g, s, gs, ss, us = copy_only(off, n, a.repeat, a.stream)
+                tag = f"{layout}{medium}{method}{n}"
+                st, ld = through_memkv(off, n, a.repeat, tag, 1)
+                sts, lds = through_memkv(off, n, a.repeat, tag + "s", a.stream)
                 off.close()
-                floor = min(d2h, h2d, tcp)
-                print(f"{layout:6} {medium:6} {method:9} {n:>6} {nb / 2**20:>6.0f} | {d2h:>7.1f} "
-                      f"{h2d:>7.1f} {tcp:>6.1f} | {g:>7.1f} {100 * g / d2h:>4.0f} "
-                      f"{s:>7.1f} {100 * s / h2d:>4.0f} | {st:>6.1f} {ld:>6.1f} "
-                      f"{100 * min(st, ld) / floor:>5.0f}", flush=True)
+                floor = min(d2h, h2d, tcpn)
+                print(f"{layout:6} {medium:6} {method:9} {n:>6} {nb / 2**20:>5.0f} | {d2h:>6.1f} "
+                      f"{h2d:>6.1f} {tcp1:>5.1f} {tcpn:>5.1f} | {g:>6.1f} {100 * g / d2h:>3.0f} "
+                      f"{s:>5.1f} {100 * s / h2d:>3.0f} {us:>5.0f} | "
+                      f"{gs:>5.1f} {100 * gs / d2h:>3.0f} {ss:>5.1f} {100 * ss / h2d:>3.0f} | "
+                      f"{st:>5.1f} {ld:>5.1f} "
+                      f"{100 * min(st, ld) / floor:>4.0f} | {sts:>6.1f} {lds:>5.1f} "
+                      f"{100 * min(sts, lds) / floor:>4.0f}", flush=True)
     finally:
         srv.kill()
 

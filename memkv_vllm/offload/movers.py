@@ -13,7 +13,9 @@ TCP, stages each value through a pinned host slot of the same index.
 
 Ordering: every copy runs on the mover's own CUDA stream, after an event recorded on the caller's
 current (compute) stream at submit time, so a store never reads KV the model is still writing and a
-load never races the zeroing of freshly allocated blocks. Completion is a CUDA event (`Fence`).
+load never races the zeroing of freshly allocated blocks. Completion is a CUDA event (`Fence`)
+created blocking-sync, so the offloader's copy thread sleeps in the driver while it waits instead
+of spinning on a CPU core the engine needs.
 """
 
 from __future__ import annotations
@@ -192,8 +194,11 @@ class CudaMover:
         self._host_base = int(self.host.data_ptr())
         self._dev_base = int(self.dev.data_ptr()) if self.dev is not None else 0
         self._refs: list[Any] = []
+        self._tables: Any = None
         if self._kernel is not None:
+            bpv = kv.blocks_per_value
             with torch.cuda.device(self.device):
+                self._tables = self._kernel.JobTables(torch, max(2, slots * bpv), self.device)
                 for g, refs in enumerate(kv.groups):
                     self._refs.append(self._kernel.ref_table(
                         torch, [kv.base[r.tensor] for r in refs],
@@ -205,8 +210,8 @@ class CudaMover:
                                                self.device)
                 with torch.cuda.stream(self.stream):
                     for to_kv in (False, True):
-                        self._kernel.copy_blocks(torch, probe, 1, [0], [self._host_base + 8],
-                                                 [0], to_kv, 1)
+                        _, job = self._tables.fill([0], [self._host_base + 8], [0])
+                        self._kernel.copy_blocks(probe, 1, job, 1, to_kv, 1)
                 self.stream.synchronize()
 
     def ready_marker(self) -> Any:
@@ -225,29 +230,35 @@ class CudaMover:
         if rc != 0:
             raise RuntimeError(f"cuMemcpyBatchAsync failed: CUresult {rc} at copy {fail.value}")
 
-    def _kernel_copy(self, entries: Sequence[Entry], scratch: Sequence[int], to_kv: bool) -> None:
-        """One launch per group of `entries` (values at `scratch`), on the current stream."""
+    def _kernel_copy(self, entries: Sequence[Entry], scratch: Sequence[int], to_kv: bool
+                     ) -> list[int]:
+        """One launch per group of `entries` (values at `scratch`), on the current stream; the
+        job tables it used."""
         by_group: dict[int, tuple[list[int], list[int], list[int]]] = {}
         for e, ptr in zip(entries, scratch, strict=True):
             blocks, slots, pos = by_group.setdefault(e.group, ([], [], []))
             blocks.extend(e.block_ids)
             slots.extend([ptr] * len(e.block_ids))
             pos.extend(range(e.first_pos, e.first_pos + len(e.block_ids)))
+        used = []
         for g, (blocks, slots, pos) in by_group.items():
-            self._kernel.copy_blocks(self._torch, self._refs[g], len(self.kv.groups[g]), blocks,
-                                     slots, pos, to_kv, self.programs)
+            i, job = self._tables.fill(blocks, slots, pos)
+            used.append(i)
+            self._kernel.copy_blocks(self._refs[g], len(self.kv.groups[g]), job, len(blocks),
+                                     to_kv, self.programs)
+        return used
 
-    def _move(self, entries: Sequence[Entry], scratch: list[int], to_kv: bool) -> None:
-        """KV <-> scratch for `entries`, on the mover's stream."""
+    def _move(self, entries: Sequence[Entry], scratch: list[int], to_kv: bool) -> list[int]:
+        """KV <-> scratch for `entries`, on the mover's stream; the job tables it used."""
         if self._kernel is not None:
             with self._torch.cuda.stream(self.stream):
-                self._kernel_copy(entries, scratch, to_kv)
-            return
+                return self._kernel_copy(entries, scratch, to_kv)
         kv, val, size = self.kv.pieces(entries, scratch)
         if to_kv:
             self._batch(kv, val, size)
         else:
             self._batch(val, kv, size)
+        return []
 
     def _stage_ptrs(self, slots: Sequence[int]) -> tuple[list[int], np.ndarray, np.ndarray]:
         """Scratch slot addresses (device for `gpu`), plus host/device address pairs of the
@@ -264,26 +275,28 @@ class CudaMover:
     def gather(self, entries: Sequence[Entry], slots: Sequence[int], ready: Any) -> Fence:
         scratch, host, dev = self._stage_ptrs(slots)
         with self._torch.cuda.device(self.device):
-            if ready is not None:
-                self.stream.wait_event(ready)
-            self._move(entries, scratch, False)
+            self.stream.wait_event(ready)
+            tables = self._move(entries, scratch, False)
             if self.dev is not None:
                 self._batch(host, dev, self._sizes(entries))
-            done = self._torch.cuda.Event()
-            done.record(self.stream)
-        return _EventFence(done)
+            return self._fence(tables)
 
     def scatter(self, entries: Sequence[Entry], slots: Sequence[int], ready: Any) -> Fence:
         scratch, host, dev = self._stage_ptrs(slots)
         with self._torch.cuda.device(self.device):
-            if ready is not None:
-                self.stream.wait_event(ready)
+            self.stream.wait_event(ready)
             if self.dev is not None:
                 self._batch(dev, host, self._sizes(entries))
-            self._move(entries, scratch, True)
-            done = self._torch.cuda.Event()
-            done.record(self.stream)
-        return _EventFence(done)
+            return self._fence(self._move(entries, scratch, True))
+
+    def _fence(self, tables: list[int]) -> Fence:
+        # blocking: whoever waits for it sleeps in the driver instead of spinning on a core
+        done = self._torch.cuda.Event(blocking=True)
+        done.record(self.stream)
+        fence = _EventFence(done)
+        if tables:
+            self._tables.used_until(tables, fence)
+        return fence
 
     def close(self) -> None:
         self.stream.synchronize()
