@@ -182,7 +182,9 @@ class KVOffloader:
         return done
 
     def _advance(self) -> None:
-        """Under the lock: take finished I/O and copies, start what slots allow. Wakes waiters."""
+        """Under the lock: take finished I/O and copies, start what slots allow, one batch at a
+        time (a batch whose copy ended while the next one was launched goes to the network
+        before the launch after). Wakes waiters."""
         while True:
             progressed = False
             for c in self._store.poll():  # also the jobs a submit finished at once (shed, ...)
@@ -193,7 +195,7 @@ class KVOffloader:
             while self._copying and self._copying[0].fence.done():  # type: ignore[union-attr]
                 self._copied(self._copying.popleft())
                 progressed = True
-            progressed = self._assign() or progressed
+            progressed = self._start_next() or progressed
             if not progressed:
                 break
         self._changed.notify_all()
@@ -214,10 +216,10 @@ class KVOffloader:
                     if self._copying and self._copying[0] is batch:
                         self._copying.popleft()
                         self._copy_failed(batch, e)
-                        self._advance()
+                    self._advance_logged()
                 continue
             with self._changed:
-                self._advance()
+                self._advance_logged()
 
     def _io_loop(self) -> None:
         """Progress thread: sleep in the store until some I/O finished, then advance."""
@@ -229,13 +231,21 @@ class KVOffloader:
                     return
             if self._store.wait_any(_IO_WAIT_S):
                 with self._changed:
-                    self._advance()
+                    self._advance_logged()
 
-    def _assign(self) -> bool:
-        started = False
+    def _advance_logged(self) -> None:
+        """`_advance` on a progress thread: an unexpected error is logged and the thread lives on
+        (the work it hit stays queued for the next wake-up; the caller's timeouts still apply)."""
+        try:
+            self._advance()
+        except Exception:
+            logger.exception("memkv offload: progress step failed")
+
+    def _start_next(self) -> bool:
+        """Start the next batch if a slot is free; False if none started."""
         for is_load in (True, False):  # loads first: a request waits for them
             q = self._queues[is_load]
-            while q and self._free:
+            if q and self._free:
                 job = q[0]
                 n = min(self.batch_values, len(self._free), len(job.pending))
                 entries = [job.pending.popleft() for _ in range(n)]
@@ -243,8 +253,8 @@ class KVOffloader:
                 if not job.pending:
                     q.popleft()
                 self._start(_Batch(job, entries, slots))
-                started = True
-        return started
+                return True
+        return False
 
     def _ptrs(self, b: _Batch) -> list[int]:
         return [self._host_base + s * self.slot_bytes for s in b.slots]

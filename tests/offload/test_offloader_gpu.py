@@ -3,6 +3,8 @@ memkv server. Skipped without CUDA."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from helpers import entries, offloader, run
@@ -73,4 +75,23 @@ def test_multi_block_values_and_partial_loads(memkv_server_factory, method, medi
     assert r.ok
     assert [block_bytes(kv, 0, b) for b in (20, 21, 22)] == want[0]
     assert [block_bytes(kv, 1, b) for b in (10, 11, 12)] == want[1]
+    off.close()
+
+
+def test_waiting_for_a_copy_costs_no_cpu(memkv_server_factory):
+    """While a store's gather waits behind a long stretch of compute-stream work, the copy thread
+    sleeps in the driver (blocking-sync event) and the caller in wait(): little CPU is used."""
+    srv = memkv_server_factory(memory="512M")
+    kv = LAYOUTS["kv_per_layer"](8, "cuda", small=False)
+    off = offloader(srv.address, kv)
+    big = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    for _ in range(1500):  # a few hundred ms of compute-stream work ahead of the gather
+        big.add_(1)
+    off.submit_store(1, [Entry(b"late", 0, (3,))])
+    cpu, wall = time.process_time(), time.monotonic()
+    assert off.wait([1], 60)
+    cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+    assert wall > 0.05, "the compute stream was not busy long enough to tell"
+    assert cpu < 0.3 * wall, f"{cpu:.3f} s of CPU in {wall:.3f} s of waiting"
+    assert off.drain(30) and off.poll()[0].ok
     off.close()
