@@ -20,6 +20,7 @@ of spinning on a CPU core the engine needs.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -80,6 +81,69 @@ class Mover(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class JobRows:
+    """The copy kernel's job rows (block ids, slot addresses, positions: 3 int64 per block) on
+    their way to the GPU: a ring of int64 in host memory (pinned for CUDA) and its mirror on the
+    device. Each launch takes the next free stretch, the host writes it, one asynchronous copy on
+    the current stream moves it, and the stretch is free again once the fence of the job that
+    used it has passed.
+
+    Why a ring sized well past what is in flight: `take` must never wait for an earlier job on
+    the caller's hot path (a store's copies may all be queued behind a long forward pass on the
+    compute stream). Every stretch whose fence has not passed belongs to a batch that holds its
+    scratch slots, so at most `rows` rows are live; three times that (and at least 64 KiB) leaves
+    a free stretch after the newest one even when the ring wraps."""
+
+    MIN_WORDS = 8192
+
+    def __init__(self, torch: Any, rows: int, device: Any) -> None:
+        self.words = max(3 * (3 * rows + 2), self.MIN_WORDS)
+        pin = device.type == "cuda"
+        self.host = torch.empty(self.words, dtype=torch.int64, pin_memory=pin)
+        self.dev = torch.empty(self.words, dtype=torch.int64, device=device)
+        self._np = self.host.numpy()
+        self._head = 0
+        # (start, end, fence) in the order taken; fence None until `used_until`
+        self._live: collections.deque[list[Any]] = collections.deque()
+        self.waits = 0  # times `take` had to wait for a fence (tests check it stays 0)
+
+    def take(self, blocks: Sequence[int], slots: Sequence[int], positions: Sequence[int]
+             ) -> tuple[Any, Any]:
+        """Write one launch's rows (blocks, then slots, then positions) and enqueue their copy
+        on the current stream; (a handle for `used_until`, the device rows for the kernel)."""
+        n = len(blocks)
+        k = 3 * n + (3 * n) % 2  # even: every stretch starts on 16 bytes, as the kernel expects
+        if k > self.words:
+            raise ValueError(f"{n} blocks in one launch: the job rows hold {self.words // 3}")
+        start = self._head if self._head + k <= self.words else 0
+        self._reclaim(start, start + k)
+        row = self._np[start:start + k]
+        row[:n] = blocks
+        row[n:2 * n] = slots  # host or device addresses: below 2**63
+        row[2 * n:3 * n] = positions
+        dev = self.dev[start:start + k]
+        dev.copy_(self.host[start:start + k], non_blocking=True)
+        entry = [start, start + k, None]
+        self._live.append(entry)
+        self._head = start + k
+        return entry, dev
+
+    def used_until(self, handles: Sequence[Any], fence: Fence) -> None:
+        """The stretches of `handles` are free once `fence` has passed."""
+        for h in handles:
+            h[2] = fence
+
+    def _reclaim(self, lo: int, hi: int) -> None:
+        while self._live and self._live[0][2] is not None and self._live[0][2].done():
+            self._live.popleft()
+        for e in list(self._live):
+            if e[0] < hi and lo < e[1]:
+                if e[2] is not None and not e[2].done():
+                    self.waits += 1
+                    e[2].wait()
+                self._live.remove(e)
 
 
 class HostMover:
@@ -198,7 +262,7 @@ class CudaMover:
         if self._kernel is not None:
             bpv = kv.blocks_per_value
             with torch.cuda.device(self.device):
-                self._tables = self._kernel.JobTables(torch, max(2, slots * bpv), self.device)
+                self._tables = JobRows(torch, max(2, slots * bpv), self.device)
                 for g, refs in enumerate(kv.groups):
                     self._refs.append(self._kernel.ref_table(
                         torch, [kv.base[r.tensor] for r in refs],
@@ -210,7 +274,7 @@ class CudaMover:
                                                self.device)
                 with torch.cuda.stream(self.stream):
                     for to_kv in (False, True):
-                        _, job = self._tables.fill([0], [self._host_base + 8], [0])
+                        _, job = self._tables.take([0], [self._host_base + 8], [0])
                         self._kernel.copy_blocks(probe, 1, job, 1, to_kv, 1)
                 self.stream.synchronize()
 
@@ -231,9 +295,9 @@ class CudaMover:
             raise RuntimeError(f"cuMemcpyBatchAsync failed: CUresult {rc} at copy {fail.value}")
 
     def _kernel_copy(self, entries: Sequence[Entry], scratch: Sequence[int], to_kv: bool
-                     ) -> list[int]:
+                     ) -> list[Any]:
         """One launch per group of `entries` (values at `scratch`), on the current stream; the
-        job tables it used."""
+        handles of the job rows it used."""
         by_group: dict[int, tuple[list[int], list[int], list[int]]] = {}
         for e, ptr in zip(entries, scratch, strict=True):
             blocks, slots, pos = by_group.setdefault(e.group, ([], [], []))
@@ -242,14 +306,15 @@ class CudaMover:
             pos.extend(range(e.first_pos, e.first_pos + len(e.block_ids)))
         used = []
         for g, (blocks, slots, pos) in by_group.items():
-            i, job = self._tables.fill(blocks, slots, pos)
-            used.append(i)
+            h, job = self._tables.take(blocks, slots, pos)
+            used.append(h)
             self._kernel.copy_blocks(self._refs[g], len(self.kv.groups[g]), job, len(blocks),
                                      to_kv, self.programs)
         return used
 
-    def _move(self, entries: Sequence[Entry], scratch: list[int], to_kv: bool) -> list[int]:
-        """KV <-> scratch for `entries`, on the mover's stream; the job tables it used."""
+    def _move(self, entries: Sequence[Entry], scratch: list[int], to_kv: bool) -> list[Any]:
+        """KV <-> scratch for `entries`, on the mover's stream; the handles of the job rows it
+        used (kernel only)."""
         if self._kernel is not None:
             with self._torch.cuda.stream(self.stream):
                 return self._kernel_copy(entries, scratch, to_kv)
@@ -289,7 +354,7 @@ class CudaMover:
                 self._batch(dev, host, self._sizes(entries))
             return self._fence(self._move(entries, scratch, True))
 
-    def _fence(self, tables: list[int]) -> Fence:
+    def _fence(self, tables: list[Any]) -> Fence:
         # blocking: whoever waits for it sleeps in the driver instead of spinning on a core
         done = self._torch.cuda.Event(blocking=True)
         done.record(self.stream)

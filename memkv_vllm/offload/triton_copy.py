@@ -10,7 +10,7 @@ Why addresses are computed on the GPU: building one (src, dst, size) triple per 
 took longer than moving a 16-block job (numpy, ~0.2-0.3 ms per job on the H200 host), so the host
 sends one row per block (block id, slot address, position in the value) and the kernel combines
 it with the group's ref table (base, pitch, bytes, offset in the value), uploaded once. The rows
-travel through a small ring of pinned tables (`JobTables`): no allocation and no pinning per job.
+travel through a ring of pinned memory (`movers.JobRows`): no allocation and no pinning per job.
 
 Why `do_not_specialize`: Triton compiles a variant per "is 1 / divisible by 16" class of integer
 arguments; the block and ref counts change from job to job, and a variant compiled in the middle
@@ -68,46 +68,9 @@ def ref_table(torch: Any, bases: list[int], pitches: list[int], nbytes: list[int
     return torch.from_numpy(t.reshape(-1).copy()).to(device)
 
 
-class JobTables:
-    """A ring of `depth` job tables of up to `rows` blocks: pinned host rows the host writes,
-    device rows the kernel reads, one asynchronous copy between them per launch. A table is
-    written again only after the copy that read it has run (the fence of its last job)."""
-
-    def __init__(self, torch: Any, rows: int, device: Any, depth: int = 8) -> None:
-        cols = -(-3 * rows // 2) * 2  # 16-byte rows: the kernel sees aligned pointers
-        self.host = torch.empty((depth, cols), dtype=torch.int64, pin_memory=True)
-        self.dev = torch.empty((depth, cols), dtype=torch.int64, device=device)
-        self._np = self.host.numpy()
-        self._host_rows = list(self.host)
-        self._dev_rows = list(self.dev)
-        self._fences: list[Any] = [None] * depth
-        self._next = 0
-
-    def fill(self, blocks: list[int], slots: list[int], positions: list[int]) -> tuple[int, Any]:
-        """Write one job's rows into the next free table; (its index, its device rows)."""
-        i = self._next
-        self._next = (i + 1) % len(self._fences)
-        fence = self._fences[i]
-        if fence is not None:
-            fence.wait()  # long done in practice: `depth` launches ago, on the same stream
-            self._fences[i] = None
-        n = len(blocks)
-        row = self._np[i]
-        row[:n] = blocks
-        row[n:2 * n] = slots  # host or device addresses: below 2**63
-        row[2 * n:3 * n] = positions
-        self._dev_rows[i].copy_(self._host_rows[i], non_blocking=True)  # current stream
-        return i, self._dev_rows[i]
-
-    def used_until(self, tables: list[int], fence: Any) -> None:
-        """`fence` passes once the launches that read `tables` have run."""
-        for i in tables:
-            self._fences[i] = fence
-
-
 def copy_blocks(refs: Any, n_refs: int, job: Any, n_blocks: int, to_kv: bool,
                 programs: int) -> None:
-    """Enqueue the copy of `n_blocks` blocks of one group (rows in `job`, see `JobTables`) on
+    """Enqueue the copy of `n_blocks` blocks of one group (rows in `job`, see `movers.JobRows`) on
     torch's current stream."""
     _copy_blocks[(min(programs, n_blocks * n_refs),)](refs, n_refs, job, n_blocks, TO_KV=to_kv,
                                                       WORDS=WORDS_PER_STEP)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,6 +199,11 @@ def test_progress_threads_sleep_while_the_network_is_silent(memkv_server):
     assert run(off, 1, [Entry(b"k", 0, (1,))], load=False).ok
     assert memkv_server.proc is not None
     memkv_server.proc.send_signal(signal.SIGSTOP)
+    # kill() returns before every thread of the server has stopped: wait until all have, or a
+    # thread still running could answer the load below.
+    tasks = Path(f"/proc/{memkv_server.proc.pid}/task")
+    assert until(lambda: all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+                             for t in tasks.iterdir()))
     try:
         off.submit_load(2, [Entry(b"k", 0, (2,))])
         cpu, wall = time.process_time(), time.monotonic()
@@ -210,3 +216,51 @@ def test_progress_threads_sleep_while_the_network_is_silent(memkv_server):
     (r,) = off.poll()
     assert r.job_id == 2 and r.ok and block_bytes(kv, 0, 2) == block_bytes(kv, 0, 1)
     off.close()
+
+
+class _Fence:
+    def __init__(self) -> None:
+        self.passed = False
+
+    def done(self) -> bool:
+        return self.passed
+
+    def wait(self) -> None:
+        self.passed = True
+
+
+def test_job_rows_never_wait_while_slots_bound_what_is_in_flight():
+    """The copy kernel's job rows: with at most `rows` blocks in flight (what the scratch slots
+    allow), taking rows never waits for an earlier job, even across many wraps of the ring."""
+    from memkv_vllm.offload.movers import JobRows
+
+    rows = 48
+    ring = JobRows(torch, rows, torch.device("cpu"))
+    in_flight: list[tuple[_Fence, int]] = []
+    for i in range(5000):
+        n = 1 + (i * 7) % 23
+        while sum(k for _, k in in_flight) + n > rows:
+            in_flight.pop(0)[0].passed = True  # the oldest copy ends and frees its slots
+        blocks = [(i + j) % 1000 for j in range(n)]
+        h, dev = ring.take(blocks, [1 << 40 | j for j in range(n)], list(range(n)))
+        assert dev[:n].tolist() == blocks and dev[n:2 * n].tolist()[-1] == 1 << 40 | n - 1
+        assert dev.data_ptr() % 16 == 0
+        f = _Fence()
+        ring.used_until([h], f)
+        in_flight.append((f, n))
+    assert ring.waits == 0
+
+
+def test_job_rows_wait_for_the_oldest_job_only_when_full():
+    from memkv_vllm.offload.movers import JobRows
+
+    ring = JobRows(torch, 4, torch.device("cpu"))
+    fences = []
+    while ring.waits == 0:  # nothing ever passes: the ring fills up, then must wait
+        h, _ = ring.take(list(range(16)), list(range(16)), list(range(16)))
+        fences.append(_Fence())
+        ring.used_until([h], fences[-1])
+    assert fences[0].passed and not any(f.passed for f in fences[1:])
+    assert len(fences) == ring.words // 48 + 1
+    with pytest.raises(ValueError, match="blocks in one launch"):
+        ring.take([0] * ring.words, [0] * ring.words, [0] * ring.words)

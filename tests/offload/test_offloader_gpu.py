@@ -95,3 +95,20 @@ def test_waiting_for_a_copy_costs_no_cpu(memkv_server_factory):
     assert cpu < 0.3 * wall, f"{cpu:.3f} s of CPU in {wall:.3f} s of waiting"
     assert off.drain(30) and off.poll()[0].ok
     off.close()
+
+
+def test_submit_does_not_wait_for_the_compute_stream(memkv_server_factory):
+    """A store of many batches queued behind a long forward pass returns at once: its copies
+    wait on the GPU, never the caller (the job rows of every launch have room of their own)."""
+    srv = memkv_server_factory(memory="512M")
+    kv = LAYOUTS["kv_per_layer"](48, "cuda", small=False)
+    off = offloader(srv.address, kv, scratch_values=24, batch_values=1)
+    big = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    for _ in range(1500):
+        big.add_(1)
+    busy = torch.cuda.Event()
+    busy.record()
+    off.submit_store(1, entries(b"q", 0, list(range(24))))  # 24 launches
+    assert not busy.query(), "submit waited for the compute stream"
+    assert off.drain(60) and off.poll()[0].ok
+    off.close()
