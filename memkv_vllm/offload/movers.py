@@ -258,11 +258,11 @@ class CudaMover:
         self._host_base = int(self.host.data_ptr())
         self._dev_base = int(self.dev.data_ptr()) if self.dev is not None else 0
         self._refs: list[Any] = []
-        self._tables: Any = None
+        self._rows: Any = None
         if self._kernel is not None:
             bpv = kv.blocks_per_value
             with torch.cuda.device(self.device):
-                self._tables = JobRows(torch, max(2, slots * bpv), self.device)
+                self._rows = JobRows(torch, max(2, slots * bpv), self.device)
                 for g, refs in enumerate(kv.groups):
                     self._refs.append(self._kernel.ref_table(
                         torch, [kv.base[r.tensor] for r in refs],
@@ -274,7 +274,7 @@ class CudaMover:
                                                self.device)
                 with torch.cuda.stream(self.stream):
                     for to_kv in (False, True):
-                        _, job = self._tables.take([0], [self._host_base + 8], [0])
+                        _, job = self._rows.take([0], [self._host_base + 8], [0])
                         self._kernel.copy_blocks(probe, 1, job, 1, to_kv, 1)
                 self.stream.synchronize()
 
@@ -306,7 +306,7 @@ class CudaMover:
             pos.extend(range(e.first_pos, e.first_pos + len(e.block_ids)))
         used = []
         for g, (blocks, slots, pos) in by_group.items():
-            h, job = self._tables.take(blocks, slots, pos)
+            h, job = self._rows.take(blocks, slots, pos)
             used.append(h)
             self._kernel.copy_blocks(self._refs[g], len(self.kv.groups[g]), job, len(blocks),
                                      to_kv, self.programs)
@@ -341,10 +341,10 @@ class CudaMover:
         scratch, host, dev = self._stage_ptrs(slots)
         with self._torch.cuda.device(self.device):
             self.stream.wait_event(ready)
-            tables = self._move(entries, scratch, False)
+            used = self._move(entries, scratch, False)
             if self.dev is not None:
                 self._batch(host, dev, self._sizes(entries))
-            return self._fence(tables)
+            return self._fence(used)
 
     def scatter(self, entries: Sequence[Entry], slots: Sequence[int], ready: Any) -> Fence:
         scratch, host, dev = self._stage_ptrs(slots)
@@ -354,13 +354,13 @@ class CudaMover:
                 self._batch(dev, host, self._sizes(entries))
             return self._fence(self._move(entries, scratch, True))
 
-    def _fence(self, tables: list[Any]) -> Fence:
+    def _fence(self, used: list[Any]) -> Fence:
         # blocking: whoever waits for it sleeps in the driver instead of spinning on a core
         done = self._torch.cuda.Event(blocking=True)
         done.record(self.stream)
         fence = _EventFence(done)
-        if tables:
-            self._tables.used_until(tables, fence)
+        if used:
+            self._rows.used_until(used, fence)
         return fence
 
     def close(self) -> None:
