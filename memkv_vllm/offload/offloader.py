@@ -210,7 +210,7 @@ class KVOffloader:
                     return
                 batch = self._copying[0]
             try:
-                batch.fence.wait()  # type: ignore[union-attr]  # releases the lock and the GIL
+                batch.fence.wait()  # type: ignore[union-attr]  # outside the lock, without the GIL
             except Exception as e:  # a failed copy fails its batch, never this thread
                 with self._changed:
                     if self._copying and self._copying[0] is batch:
