@@ -166,6 +166,11 @@ class RedisBlockClient:
             thread_name_prefix="memkv-redis-probe")
         self.codes = self
         self._slow_errors = _slow_path_errors()
+        from redis.cluster import LoadBalancingStrategy
+
+        # Reads (GET, EXISTS, TOUCH) round-robin over a shard's primary and replicas when asked.
+        self._replica_reads = (LoadBalancingStrategy.ROUND_ROBIN
+                               if config.redis_read_from_replicas else None)
 
     # ------------------------------------------------------------------ connection
     def _common_kwargs(self) -> dict[str, Any]:
@@ -223,7 +228,7 @@ class RedisBlockClient:
             return redis.RedisCluster(
                 startup_nodes=[ClusterNode(h, p) for h, p in self._hosts()],
                 require_full_coverage=False, retry=retry,
-                read_from_replicas=self.config.redis_read_from_replicas, **kw)
+                load_balancing_strategy=self._replica_reads, **kw)
         self._cluster = False
         host, port = self._hosts()[0]
         return redis.Redis(host=host, port=port, retry=retry, **kw)
@@ -236,6 +241,8 @@ class RedisBlockClient:
             try:
                 with redis.Redis(host=host, port=port, **kw) as r:
                     info = r.info("cluster")
+            except (redis.AuthenticationError, redis.exceptions.AuthorizationError):
+                raise  # the same credentials fail everywhere: AUTH_FAILED, not "no server"
             except redis.RedisError as e:
                 last = e
                 continue
@@ -284,8 +291,8 @@ class RedisBlockClient:
         for i, k in enumerate(rkeys):
             try:
                 node = r.nodes_manager.get_node_from_slot(
-                    key_slot(k), self.config.redis_read_from_replicas
-                    and commands[i][0] in _READS)
+                    key_slot(k), load_balancing_strategy=self._replica_reads
+                    if commands[i][0] in _READS else None)
             except Exception:  # e.g. SlotNotCoveredError while a failover runs
                 slow.append(i)
                 continue

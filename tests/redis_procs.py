@@ -71,8 +71,9 @@ class RedisNode:
     """One `redis-server` process (cluster-enabled or standalone)."""
 
     def __init__(self, port: int, cluster: bool, extra: list[str] | None = None,
-                 node_timeout_ms: int = 1000) -> None:
+                 node_timeout_ms: int = 1000, password: str | None = None) -> None:
         self.port = port
+        self.password = password
         self.dir = Path(tempfile.mkdtemp(prefix=f"redis-{port}-"))
         server, self.cli = redis_binaries()
         args = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
@@ -83,6 +84,8 @@ class RedisNode:
                      "--cluster-node-timeout", str(node_timeout_ms),
                      # a replica takes over as soon as its primary is judged failed
                      "--cluster-replica-validity-factor", "0"]
+        if password:
+            args += ["--requirepass", password]
         self.proc = subprocess.Popen(args + (extra or []), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
 
@@ -92,7 +95,8 @@ class RedisNode:
 
     def cmd(self, *args: str, timeout: float = 10.0) -> str:
         """One redis-cli command against this node; its stdout (raises on failure)."""
-        p = subprocess.run([self.cli, "-p", str(self.port), *args], capture_output=True,
+        auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
+        p = subprocess.run([self.cli, "-p", str(self.port), *auth, *args], capture_output=True,
                            text=True, timeout=timeout)
         if p.returncode != 0:
             raise RuntimeError(f"redis-cli {' '.join(args)}: {p.stderr.strip()}")
@@ -192,8 +196,8 @@ def _cluster_info(n: RedisNode) -> dict[str, str]:
 class RedisStandalone:
     """One standalone `redis-server` (e.g. with maxmemory + allkeys-lru for eviction tests)."""
 
-    def __init__(self, extra: list[str] | None = None) -> None:
-        self.node = RedisNode(free_ports(1)[0], False, extra)
+    def __init__(self, extra: list[str] | None = None, password: str | None = None) -> None:
+        self.node = RedisNode(free_ports(1)[0], False, extra, password=password)
         try:
             poll(self.node.ping, 20, f"redis-server on {self.node.port}")
         except BaseException:
