@@ -205,3 +205,39 @@ def test_memory_is_written_only_for_ok_keys(client: RedisBlockClient) -> None:
     st = client.get_into_ptrs(keys, [base, base + 256], [256, 256])
     assert list(st) == [Status.OK, Status.NOT_FOUND]
     assert bytes(dst[:256]) == src.tobytes() and bytes(dst[256:]) == b"\x11" * 256
+
+
+def test_eviction_turns_a_hit_into_a_miss_at_load_never_into_bytes() -> None:
+    """Redis has no leases: a block the lookup saw can be evicted (maxmemory + allkeys-lru)
+    before its load. The load then fails like any miss (the tier recomputes) and the block
+    store reads MISS from then on; the destination keeps its bytes."""
+    r = RedisStandalone(extra=["--maxmemory", "8mb", "--maxmemory-policy", "allkeys-lru"])
+    client = client_for(r.urls)
+    pool = rows(2, 256 << 10, 9)
+    out = np.full((1, 256 << 10), 0x5A, dtype=np.uint8)
+    writer = BlockStore(client, StoreOptions(n_read_threads=1, n_write_threads=1))
+    store = BlockStore(client, StoreOptions(n_read_threads=1, n_write_threads=1))  # the reader
+    try:
+        writer.register_buffer(int(pool.ctypes.data), pool.nbytes, owner=pool)
+        store.register_buffer(int(out.ctypes.data), out.nbytes, owner=out)
+        writer.submit_store(1, [b"ev/victim"], ptrs(pool[:1]), [256 << 10])
+        assert writer.drain(10) and writer.poll()[0].ok
+        assert store.lookup(b"ev/victim") is Lookup.PENDING
+        store.flush_lookups()
+        assert poll(lambda: store.lookup(b"ev/victim") is not Lookup.PENDING, 10, "the probe")
+        assert store.lookup(b"ev/victim") is Lookup.HIT
+        # Another engine fills the server: the oldest value goes.
+        filler = [f"ev/fill/{i}".encode() for i in range(64)]
+        client.put_ptrs(filler, [int(pool[1].ctypes.data)] * 64, [256 << 10] * 64)
+        assert r.node.info("stats")["evicted_keys"] != "0"
+        store.submit_load(2, [b"ev/victim"], ptrs(out), [256 << 10])
+        assert store.drain(10)
+        (c,) = store.poll()
+        assert not c.ok and c.gone_keys == (b"ev/victim",)
+        assert (out == 0x5A).all()
+        assert store.lookup(b"ev/victim") is Lookup.MISS
+    finally:
+        writer.close()
+        store.close()
+        client.close()
+        r.stop()
