@@ -71,9 +71,11 @@ class RedisNode:
     """One `redis-server` process (cluster-enabled or standalone)."""
 
     def __init__(self, port: int, cluster: bool, extra: list[str] | None = None,
-                 node_timeout_ms: int = 1000, password: str | None = None) -> None:
+                 node_timeout_ms: int = 1000, password: str | None = None,
+                 cli_args: list[str] | None = None) -> None:
         self.port = port
         self.password = password
+        self.cli_args = cli_args or []  # e.g. --tls --cacert ... for a TLS-only server
         self.dir = Path(tempfile.mkdtemp(prefix=f"redis-{port}-"))
         server, self.cli = redis_binaries()
         args = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
@@ -96,7 +98,8 @@ class RedisNode:
     def cmd(self, *args: str, timeout: float = 10.0) -> str:
         """One redis-cli command against this node; its stdout (raises on failure)."""
         auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
-        p = subprocess.run([self.cli, "-p", str(self.port), *auth, *args], capture_output=True,
+        p = subprocess.run([self.cli, "-p", str(self.port), *self.cli_args, *auth, *args],
+                           capture_output=True,
                            text=True, timeout=timeout)
         if p.returncode != 0:
             raise RuntimeError(f"redis-cli {' '.join(args)}: {p.stderr.strip()}")
@@ -196,8 +199,19 @@ def _cluster_info(n: RedisNode) -> dict[str, str]:
 class RedisStandalone:
     """One standalone `redis-server` (e.g. with maxmemory + allkeys-lru for eviction tests)."""
 
-    def __init__(self, extra: list[str] | None = None, password: str | None = None) -> None:
-        self.node = RedisNode(free_ports(1)[0], False, extra, password=password)
+    def __init__(self, extra: list[str] | None = None, password: str | None = None,
+                 tls: tuple[str, str] | None = None) -> None:
+        """`tls` = (certificate, key) files: the server then listens with TLS only, the
+        certificate being its own CA."""
+        port = free_ports(1)[0]
+        cli: list[str] = []
+        if tls:
+            extra = [*(extra or []), "--port", "0", "--tls-port", str(port), "--tls-cert-file",
+                     tls[0], "--tls-key-file", tls[1], "--tls-ca-cert-file", tls[0],
+                     "--tls-auth-clients", "no"]
+            cli = ["--tls", "--cacert", tls[0]]
+        self.node = RedisNode(port, False, extra, password=password, cli_args=cli)
+        self.scheme = "rediss" if tls else "redis"
         try:
             poll(self.node.ping, 20, f"redis-server on {self.node.port}")
         except BaseException:
@@ -206,7 +220,7 @@ class RedisStandalone:
 
     @property
     def urls(self) -> list[str]:
-        return [f"redis://{self.node.address}"]
+        return [f"{self.scheme}://{self.node.address}"]
 
     def stop(self) -> None:
         self.node.stop()

@@ -7,6 +7,8 @@ tests/test_redis_failover.py."""
 from __future__ import annotations
 
 import ctypes
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -240,4 +242,29 @@ def test_eviction_turns_a_hit_into_a_miss_at_load_never_into_bytes() -> None:
         writer.close()
         store.close()
         client.close()
+        r.stop()
+
+
+def test_tls_settings_reach_the_connection(tmp_path: Path) -> None:
+    """rediss:// plus redis_tls_ca: a TLS-only server answers; without the CA it cannot."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    cert, key = str(tmp_path / "c.pem"), str(tmp_path / "k.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
+                    "-out", cert, "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
+                    "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    r = RedisStandalone(tls=(cert, key))
+    try:
+        good = client_for(r.urls, redis_tls_ca=cert)
+        src = rows(2, 1000, 10)
+        assert set(good.put_ptrs([b"tls/a", b"tls/b"], ptrs(src), [1000] * 2)) == {Status.OK}
+        dst = np.zeros_like(src)
+        assert set(good.get_into_ptrs([b"tls/a", b"tls/b"], ptrs(dst), [1000] * 2)) == {
+            Status.OK}
+        assert (dst == src).all()
+        good.close()
+        untrusted = client_for(r.urls, connect_timeout_s=1)  # system CAs only: refused cert
+        assert not any(Status.is_ok(s) for s in untrusted.exists([b"tls/a"]))
+        untrusted.close()
+    finally:
         r.stop()
