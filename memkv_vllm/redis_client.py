@@ -166,6 +166,11 @@ class RedisBlockClient:
             thread_name_prefix="memkv-redis-probe")
         self.codes = self
         self._slow_errors = _slow_path_errors()
+        try:
+            from hiredis import pack_command
+        except ImportError:  # redis-py without hiredis still works, just slower
+            pack_command = None
+        self._hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None = pack_command
         from redis.cluster import LoadBalancingStrategy
 
         # Reads (GET, EXISTS, TOUCH) round-robin over a shard's primary and replicas when asked.
@@ -308,7 +313,7 @@ class RedisBlockClient:
                     out[i] = e
                 continue
             try:
-                conn.send_packed_command(conn.pack_commands([commands[i] for i in idx]),
+                conn.send_packed_command(self._pack(conn, [commands[i] for i in idx]),
                                          check_health=False)
             except Exception as e:
                 conn.disconnect()
@@ -338,6 +343,15 @@ class RedisBlockClient:
             for i, res in zip(slow, self._pipeline(r, [commands[i] for i in slow]), strict=True):
                 out[i] = res
         return out
+
+    def _pack(self, conn: Any, commands: list[tuple[Any, ...]]) -> Any:
+        """The wire bytes of `commands`. Key-only commands (probes, GET, DEL) go straight
+        through hiredis's packer: redis-py's per-command wrapper costs more than the packing.
+        SET keeps redis-py's packer, which sends large values as they are instead of copying
+        them into the packed command."""
+        if self._hiredis_pack is None or commands[0][0] == "SET":
+            return conn.pack_commands(commands)
+        return [b"".join(map(self._hiredis_pack, commands))]
 
     def _pipeline(self, r: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """redis-py's own pipeline (standalone, or the cluster's redirect-following one)."""
