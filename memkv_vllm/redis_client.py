@@ -235,6 +235,10 @@ class RedisBlockClient:
                 require_full_coverage=False, retry=retry,
                 load_balancing_strategy=self._replica_reads, **kw)
         self._cluster = False
+        if len(self.config.servers) > 1:
+            log.warning("redis backend: %s runs standalone; using it alone, not the other %d "
+                        "server(s) listed (standalone Redis does not shard)",
+                        self.config.servers[0], len(self.config.servers) - 1)
         host, port = self._hosts()[0]
         return redis.Redis(host=host, port=port, retry=retry, **kw)
 
