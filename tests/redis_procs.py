@@ -179,6 +179,24 @@ class RedisCluster:
     def primaries(self) -> list[RedisNode]:
         return [n for n in self.live() if n.info("replication").get("role") == "master"]
 
+    def replicas_caught_up(self) -> bool:
+        """Every live primary's replicas have acknowledged its whole replication stream."""
+        for p in self.primaries():
+            info = p.info("replication")
+            off = int(info["master_repl_offset"])
+            acked = [int(v.split("offset=")[1].split(",")[0]) for k, v in info.items()
+                     if k.startswith("slave") and "offset=" in v]
+            if not acked or min(acked) < off:
+                return False
+        return True
+
+    def replica_of(self, primary: RedisNode) -> RedisNode:
+        for n in self.live():
+            info = n.info("replication")
+            if info.get("role") == "slave" and int(info.get("master_port", 0)) == primary.port:
+                return n
+        raise AssertionError(f"no replica of {primary.port}")
+
     def node_id(self, node: RedisNode) -> str:
         return node.cmd("CLUSTER", "MYID").strip()
 

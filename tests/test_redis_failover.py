@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("redis", reason="the redis backend needs redis-py (scripts/test.sh --setup)")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from redis_procs import RedisCluster, RedisNode, poll  # noqa: E402
+from redis_procs import RedisCluster, poll  # noqa: E402
 
 from memkv_vllm.backends import make_client  # noqa: E402
 from memkv_vllm.config import load_config  # noqa: E402
@@ -121,33 +121,14 @@ def stored_blocks(client: RedisBlockClient) -> tuple[list[bytes], np.ndarray]:
     return keys, data
 
 
-def replicas_caught_up(cluster: RedisCluster) -> bool:
-    for p in cluster.primaries():
-        info = p.info("replication")
-        off = int(info["master_repl_offset"])
-        lag = [int(v.split("offset=")[1].split(",")[0]) for k, v in info.items()
-               if k.startswith("slave") and "offset=" in v]
-        if not lag or min(lag) < off:
-            return False
-    return True
-
-
-def replica_of(cluster: RedisCluster, primary: RedisNode) -> RedisNode:
-    for n in cluster.live():
-        info = n.info("replication")
-        if info.get("role") == "slave" and int(info.get("master_port", 0)) == primary.port:
-            return n
-    raise AssertionError(f"no replica of {primary.port}")
-
-
 def test_primary_sigkilled_replica_promoted_traffic_continues(cluster: RedisCluster) -> None:
     client = make_client(load_config({"backend": "redis", "servers": cluster.urls,
                                       "op_timeout_s": 2, "connect_timeout_s": 0.5}, env={}))
     try:
         keys, data = stored_blocks(client)
-        poll(lambda: replicas_caught_up(cluster), 20, "replicas to catch up")
+        poll(cluster.replicas_caught_up, 20, "replicas to catch up")
         victim = cluster.primaries()[0]
-        replica = replica_of(cluster, victim)
+        replica = cluster.replica_of(victim)
         admin = admin_for(cluster, replica.port)
         on_victim = {k for k in keys if owner_port(admin, k) == victim.port}
         assert 50 < len(on_victim) < 200  # the tags spread the keys over the three shards
