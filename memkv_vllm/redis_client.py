@@ -225,9 +225,10 @@ class RedisBlockClient:
         mode = self.config.redis_mode
         if mode == "auto":
             mode = self._detect_mode(kw)
-        # One quick retry: redirections (MOVED / ASK) are followed without counting, and a
+        # One quick retry of a broken connection (not of a timeout: that would double
+        # op_timeout_s): redirections (MOVED / ASK) are followed without counting, and a
         # failover is a miss rather than seconds of backoff on the engine's I/O threads.
-        retry = Retry(NoBackoff(), 1)
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
         if mode == "cluster":
             self._cluster = True
             return redis.RedisCluster(
@@ -385,7 +386,15 @@ class RedisBlockClient:
         return self._codes(res, lambda n: Status.OK if int(n) > 0 else Status.NOT_FOUND)
 
     def submit_exists(self, keys: Sequence[bytes], lease_ms: int = 0) -> _Probe:
-        return _Probe(self._probes.submit(self.exists, list(keys), lease_ms))
+        return _Probe(self._probes.submit(self._probe, list(keys), lease_ms, time.monotonic()))
+
+    def _probe(self, keys: list[bytes], lease_ms: int, submitted: float) -> bytes:
+        # A probe that waited in the queue longer than an operation may take (a slow or stuck
+        # cluster: the scheduler keeps submitting one per step) answers TIMEOUT without I/O, so
+        # the backlog drains at once instead of each stale probe waiting out its own timeout.
+        if time.monotonic() - submitted > self.config.op_timeout_s:
+            return bytes([Status.TIMEOUT]) * len(keys)
+        return self.exists(keys, lease_ms)
 
     def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
                       ) -> bytes:

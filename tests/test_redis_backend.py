@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -267,4 +268,30 @@ def test_tls_settings_reach_the_connection(tmp_path: Path) -> None:
         assert not any(Status.is_ok(s) for s in untrusted.exists([b"tls/a"]))
         untrusted.close()
     finally:
+        r.stop()
+
+
+def test_probes_queued_behind_a_stuck_server_time_out_without_io() -> None:
+    """A server that stops answering (SIGSTOP) while the scheduler submits a probe per step:
+    the probes already sent wait out op_timeout_s, the ones queued behind them answer TIMEOUT at
+    once, so the backlog does not grow with the outage; once the server runs again, probes
+    answer normally."""
+    r = RedisStandalone()
+    client = client_for(r.urls, op_timeout_s=0.5, io_threads=2)
+    try:
+        assert client.exists([b"stuck/a"]) == bytes([Status.NOT_FOUND])  # connected
+        r.node.proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        probes = [client.submit_exists([b"stuck/a", b"stuck/b"]) for _ in range(40)]
+        answers = [p.wait(10) for p in probes]
+        elapsed = time.monotonic() - t0
+        assert all(a == bytes([Status.TIMEOUT] * 2) for a in answers), set(answers)
+        # 40 probes x 0.5 s on 2 threads would take 10 s; only the first few wait.
+        assert elapsed < 3.0, elapsed
+        r.node.proc.send_signal(signal.SIGCONT)
+        assert poll(lambda: client.submit_exists([b"stuck/a"]).wait(5) ==
+                    bytes([Status.NOT_FOUND]), 10, "probes to answer after SIGCONT")
+    finally:
+        r.node.proc.send_signal(signal.SIGCONT)
+        client.close()
         r.stop()
