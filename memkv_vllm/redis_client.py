@@ -53,8 +53,7 @@ TRAILER_BYTES = _TRAILER.size
 # After a failed connect (no server answered), wait this long before trying again: a dead
 # cluster must not cost a connect timeout on every call.
 _RECONNECT_BACKOFF_S = 1.0
-
-
+# Commands that may go to a replica when redis_read_from_replicas is set.
 _READS = frozenset({"GET", "EXISTS", "TOUCH"})
 
 
