@@ -176,6 +176,13 @@ class RedisBlockClient:
         self._replica_reads = (LoadBalancingStrategy.ROUND_ROBIN
                                if config.redis_read_from_replicas else None)
 
+    @property
+    def mode(self) -> str | None:
+        """"cluster" or "standalone" once connected (redis_mode auto decides then), else None."""
+        if self._redis is None:
+            return None
+        return "cluster" if self._cluster else "standalone"
+
     # ------------------------------------------------------------------ connection
     def _common_kwargs(self) -> dict[str, Any]:
         c = self.config

@@ -65,12 +65,14 @@ def ptrs(a: np.ndarray) -> list[int]:
 
 
 def test_round_trip_exists_delete(client: RedisBlockClient, cluster: RedisCluster) -> None:
+    assert client.mode is None  # connects on first use
     keys = [f"rt/{i}".encode() for i in range(200)]
     src = rows(200, 4096, 1)
     assert set(client.put_ptrs(keys, ptrs(src), [4096] * 200)) == {Status.OK}
     dst = np.zeros_like(src)
     assert set(client.get_into_ptrs(keys, ptrs(dst), [4096] * 200)) == {Status.OK}
     assert (dst == src).all()
+    assert client.mode == "cluster"
     probe = client.submit_exists(keys + [b"rt/absent"], lease_ms=1000)
     answer = poll(lambda: probe.wait(0), 10, "the probe")
     assert answer == bytes([Status.OK] * 200 + [Status.NOT_FOUND])
@@ -174,7 +176,7 @@ def test_standalone_with_password_and_auto_mode() -> None:
         dst = np.zeros_like(src)
         assert set(good.get_into_ptrs(keys, ptrs(dst), [300] * 4)) == {Status.OK}
         assert (dst == src).all()
-        assert good._cluster is False  # auto mode found a standalone server
+        assert good.mode == "standalone"  # what redis_mode auto found
         good.close()
         bad = client_for(r.urls, redis_password="wrong")
         assert set(bad.exists(keys)) == {Status.AUTH_FAILED}
