@@ -152,6 +152,9 @@ class RedisCluster:
             if p.returncode != 0:
                 raise RuntimeError(f"redis-cli --cluster create failed: {p.stdout}{p.stderr}")
             self.wait_healthy()
+            # Replicas reach every node's slot map (what clients load) a little later.
+            poll(lambda: all(self._slot_map_has_replicas(n, replicas) for n in self.nodes), 30,
+                 "every node to list the replicas in CLUSTER SLOTS", interval=0.1)
         except BaseException:
             self.stop()
             raise
@@ -175,6 +178,15 @@ class RedisCluster:
                     return False
             return True
         poll(ok, timeout, "cluster_state:ok on every live node", interval=0.1)
+
+    @staticmethod
+    def _slot_map_has_replicas(node: RedisNode, replicas: int) -> bool:
+        import redis
+
+        with redis.Redis(port=node.port, password=node.password) as r:
+            ranges = r.execute_command("CLUSTER", "SLOTS")
+        # each range: [start, end, primary, replica...]
+        return bool(ranges) and all(len(rng) - 3 >= replicas for rng in ranges)
 
     def primaries(self) -> list[RedisNode]:
         return [n for n in self.live() if n.info("replication").get("role") == "master"]

@@ -297,3 +297,26 @@ def test_probes_queued_behind_a_stuck_server_time_out_without_io() -> None:
         r.node.proc.send_signal(signal.SIGCONT)
         client.close()
         r.stop()
+
+
+def test_read_from_replicas_reads_on_replicas(cluster: RedisCluster) -> None:
+    """redis_read_from_replicas: GETs go to replicas too (their command counters show it),
+    and what they return is still checked byte for byte."""
+    c = client_for(cluster.urls[:1], redis_read_from_replicas=True)
+    try:
+        keys = [f"rr/{i}".encode() for i in range(60)]
+        src = rows(60, 1024, 11)
+        assert set(c.put_ptrs(keys, ptrs(src), [1024] * 60)) == {Status.OK}
+        poll(cluster.replicas_caught_up, 20, "replication")
+        replicas = [n for n in cluster.live() if n.info("replication").get("role") == "slave"]
+        before = sum(int(n.info("commandstats").get("cmdstat_get", "calls=0").split(",")[0]
+                         .split("=")[1]) for n in replicas)
+        dst = np.zeros_like(src)
+        for _ in range(4):
+            assert set(c.get_into_ptrs(keys, ptrs(dst), [1024] * 60)) == {Status.OK}
+            assert (dst == src).all()
+        after = sum(int(n.info("commandstats").get("cmdstat_get", "calls=0").split(",")[0]
+                        .split("=")[1]) for n in replicas)
+        assert after - before >= 60, (before, after)
+    finally:
+        c.close()
