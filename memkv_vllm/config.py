@@ -37,6 +37,7 @@ __all__ = [
     "MemKVConfig",
     "env_name",
     "load_config",
+    "parse_redis_url",
     "parse_server",
 ]
 
@@ -48,6 +49,13 @@ DEFAULT_PORT = 7390
 
 Transport = Literal["tcp", "rdma", "auto"]
 TRANSPORTS: tuple[str, ...] = ("tcp", "rdma", "auto")
+# Which engine holds the blocks: memkv's own servers, or Redis / Valkey (docs/redis.md).
+Backend = Literal["memkv", "redis"]
+BACKENDS: tuple[str, ...] = ("memkv", "redis")
+RedisMode = Literal["auto", "cluster", "standalone"]
+REDIS_MODES: tuple[str, ...] = ("auto", "cluster", "standalone")
+REDIS_DEFAULT_SERVER = "redis://127.0.0.1:6379"
+_REDIS_SCHEMES = ("redis", "rediss")  # rediss = TLS
 
 # MEMKV_* variables that are not client settings but are legitimately set next to them (the
 # server's own flags, logging, test fixtures). They are neither parsed nor warned about.
@@ -104,12 +112,40 @@ def parse_server(text: str) -> str:
     return str(_native.canonical_server(text))
 
 
+def parse_redis_url(text: str) -> str:
+    """Validate one ``redis://host:port`` / ``rediss://host:port`` (TLS) and return its canonical
+    spelling (host:port canonical as in :func:`parse_server`; port 6379 when omitted).
+    Credentials in the URL are refused without echoing it: they belong in ``redis_username`` /
+    ``redis_password``, which are never printed."""
+    if not isinstance(text, str):
+        raise ValueError(f"a server must be a 'redis://host:port' string, got "
+                         f"{type(text).__name__}")
+    if "@" in text:
+        raise ValueError("a server URL must not carry credentials (set redis_username / "
+                         "redis_password); the URL is not shown")
+    scheme, sep, rest = text.strip().partition("://")
+    if not sep or scheme.lower() not in _REDIS_SCHEMES:
+        raise ValueError(f"server {text!r} must look like 'redis://host:port' or "
+                         f"'rediss://host:port'")
+    hostport = rest[:-1] if rest.endswith("/") else rest
+    if "/" in hostport or "?" in hostport:
+        raise ValueError(f"server {text!r}: only 'scheme://host:port' is supported (no database "
+                         f"number or options: Redis Cluster has database 0 only)")
+    if hostport.endswith("]") or ":" not in hostport:  # no port given
+        hostport += ":6379"
+    return f"{scheme.lower()}://{parse_server(hostport)}"
+
+
+def _is_redis_url(s: str) -> bool:
+    return isinstance(s, str) and "://" in s
+
+
 def _check_servers(value: tuple[str, ...]) -> None:
     if not isinstance(value, tuple) or not value:
         raise ValueError("at least one 'host:port' server is required")
     seen: set[str] = set()
     for s in value:
-        canon = parse_server(s)
+        canon = parse_redis_url(s) if _is_redis_url(s) else parse_server(s)
         if canon != s:
             # Constructed directly with a non-canonical spelling: refuse rather than silently
             # hash differently from a process that loaded the same list through load_config.
@@ -117,6 +153,37 @@ def _check_servers(value: tuple[str, ...]) -> None:
         if canon in seen:
             raise ValueError(f"server {canon!r} is listed twice")
         seen.add(canon)
+
+
+def _check_servers_for(backend: str, value: tuple[str, ...]) -> None:
+    """`servers` as the backend reads them: memkv takes host:port, redis takes URLs."""
+    _check_servers(value)
+    urls = [_is_redis_url(s) for s in value]
+    if backend == "redis" and not all(urls):
+        raise ValueError("with backend 'redis', every server is a 'redis://host:port' or "
+                         "'rediss://host:port' URL")
+    if backend == "redis" and len({s.partition("://")[0] for s in value}) > 1:
+        raise ValueError("mixes redis:// and rediss:// servers (TLS is all or nothing)")
+    if backend != "redis" and any(urls):
+        raise ValueError("lists a redis:// URL; set backend: redis to use Redis / Valkey")
+
+
+def _check_choice(choices: tuple[str, ...]) -> Callable[[str], None]:
+    def check(value: str) -> None:
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {value!r}")
+
+    return check
+
+
+def _check_bool(value: bool) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"must be true or false, got {type(value).__name__}")
+
+
+def _check_opt_text(value: str | None) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError("must be a non-empty string")
 
 
 def _check_auth_key(value: bytes | None) -> None:
@@ -171,6 +238,22 @@ def _redact(value: bytes | None) -> str:
     return "None" if value is None else "<redacted>"
 
 
+def _redact_text(value: str | None) -> str:
+    return "None" if value is None else "<redacted>"
+
+
+def _default_servers(inst: Any) -> tuple[str, ...]:
+    # attrs builds fields in order: `backend` is already set when this runs.
+    return (REDIS_DEFAULT_SERVER,) if inst.backend == "redis" else (f"127.0.0.1:{DEFAULT_PORT}",)
+
+
+def _servers_validator(inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    try:
+        _check_servers_for(inst.backend, value)
+    except ValueError as e:
+        raise ConfigError(attr.name, "MemKVConfig(...) argument", str(e)) from None
+
+
 # --- the settings object ------------------------------------------------------------------------
 
 
@@ -178,8 +261,9 @@ def _redact(value: bytes | None) -> str:
 class MemKVConfig:
     """How a process reaches the memkv cluster. Build it with :func:`load_config`."""
 
+    backend: Backend = attrs.field(default="memkv", validator=_validator(_check_choice(BACKENDS)))
     servers: tuple[str, ...] = attrs.field(
-        default=(f"127.0.0.1:{DEFAULT_PORT}",), validator=_validator(_check_servers)
+        default=attrs.Factory(_default_servers, takes_self=True), validator=_servers_validator
     )
     # 32-byte HMAC-SHA256 key shared with every server; None = no auth.
     auth_key: bytes | None = attrs.field(
@@ -198,11 +282,26 @@ class MemKVConfig:
     # Lease that an exists() hit takes on the server so the value survives until the load;
     # 0 = lookups take no lease.
     lease_ms: int = attrs.field(default=10_000, validator=_validator(_int_check(0, _MAX_LEASE_MS)))
+    # Redis / Valkey backend only (docs/redis.md). TLS is on when the servers are rediss:// URLs;
+    # the three paths are handed to the Redis client as they are.
+    redis_username: str | None = attrs.field(default=None, validator=_validator(_check_opt_text))
+    redis_password: str | None = attrs.field(
+        default=None, repr=_redact_text, validator=_validator(_check_opt_text)
+    )
+    redis_mode: RedisMode = attrs.field(
+        default="auto", validator=_validator(_check_choice(REDIS_MODES))
+    )
+    redis_read_from_replicas: bool = attrs.field(default=False, validator=_validator(_check_bool))
+    redis_tls_ca: str | None = attrs.field(default=None, validator=_validator(_check_opt_text))
+    redis_tls_cert: str | None = attrs.field(default=None, validator=_validator(_check_opt_text))
+    redis_tls_key: str | None = attrs.field(default=None, validator=_validator(_check_opt_text))
     # Where each non-default setting came from, for describe(); not part of equality.
     sources: tuple[tuple[str, str], ...] = attrs.field(default=(), eq=False, repr=False, hash=False)
 
     def describe(self) -> str:
         """One line for a startup log. Says whether auth is on, never the key itself."""
+        if self.backend == "redis":
+            return self._describe_redis()
         parts = [
             f"servers={','.join(self.servers)}",
             f"transport={self.transport}",
@@ -217,7 +316,24 @@ class MemKVConfig:
             f"lease_ms={self.lease_ms}",
             f"auth={'on' if self.auth_key is not None else 'off'}",
         ]
-        line = "memkv " + " ".join(parts)
+        return self._with_sources("memkv " + " ".join(parts))
+
+    def _describe_redis(self) -> str:
+        parts = [
+            "backend=redis",
+            f"servers={','.join(self.servers)}",
+            f"redis_mode={self.redis_mode}",
+            f"read_from_replicas={self.redis_read_from_replicas}",
+            f"connections_per_server={self.connections_per_server}",
+            f"connect_timeout_s={self.connect_timeout_s:g}",
+            f"op_timeout_s={self.op_timeout_s:g}",
+            f"io_threads={self.io_threads}",
+            f"user={self.redis_username or '-'}",
+            f"password={'set' if self.redis_password is not None else 'unset'}",
+        ]
+        return self._with_sources("memkv " + " ".join(parts))
+
+    def _with_sources(self, line: str) -> str:
         if self.sources:
             line += " (set by: " + ", ".join(f"{k}={src}" for k, src in self.sources) + ")"
         return line
@@ -246,7 +362,7 @@ def _split_list(raw: Any) -> list[Any]:
 
 def _parse_servers(raw: Any) -> tuple[str, ...]:
     items = _split_list(raw)
-    servers = tuple(parse_server(s) for s in items)
+    servers = tuple(parse_redis_url(s) if _is_redis_url(s) else parse_server(s) for s in items)
     _check_servers(servers)
     return servers
 
@@ -289,6 +405,45 @@ def _parse_devices(raw: Any) -> tuple[str, ...]:
     return devices
 
 
+def _choice_parser(choices: tuple[str, ...]) -> Callable[[Any], str]:
+    def parse(raw: Any) -> str:
+        if not isinstance(raw, str):
+            raise ValueError(f"must be one of {', '.join(choices)}, got {type(raw).__name__}")
+        value = raw.strip().lower()
+        _check_choice(choices)(value)
+        return value
+
+    return parse
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _parse_bool(raw: Any) -> bool:
+    if isinstance(raw, str):
+        text = raw.strip().lower()
+        if text in _TRUE or text in _FALSE:
+            return text in _TRUE
+        raise ValueError(f"must be true or false, got {raw.strip()!r}")
+    _check_bool(raw)
+    return bool(raw)
+
+
+def _parse_text(raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise ValueError(f"must be a string, got {type(raw).__name__}")
+    _check_opt_text(raw)
+    return raw
+
+
+def _parse_secret(raw: Any) -> str:
+    if not isinstance(raw, str) or not raw:
+        # yaml reads an unquoted all-digit password as a number: quote it.
+        raise ValueError(f"must be a non-empty quoted string, got {type(raw).__name__}; the "
+                         f"value is not shown")
+    return raw
+
+
 def _int_parser(check: Callable[[int], None]) -> Callable[[Any], int]:
     def parse(raw: Any) -> int:
         if isinstance(raw, str):
@@ -326,6 +481,14 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "op_timeout_s": _parse_timeout,
     "io_threads": _int_parser(_int_check(1, _MAX_THREADS)),
     "lease_ms": _int_parser(_int_check(0, _MAX_LEASE_MS)),
+    "backend": _choice_parser(BACKENDS),
+    "redis_username": _parse_text,
+    "redis_password": _parse_secret,
+    "redis_mode": _choice_parser(REDIS_MODES),
+    "redis_read_from_replicas": _parse_bool,
+    "redis_tls_ca": _parse_text,
+    "redis_tls_cert": _parse_text,
+    "redis_tls_key": _parse_text,
 }
 assert set(_PARSERS) == CONFIG_KEYS  # a new field needs a parser
 
@@ -418,4 +581,10 @@ def load_config(
         except ValueError as e:
             raise ConfigError(key, source, str(e)) from None
     sources = tuple((k, chosen[k][1]) for k in sorted(chosen))
+    if "servers" in values:
+        # Which spelling the servers need depends on the backend: say where they came from.
+        try:
+            _check_servers_for(values.get("backend", "memkv"), values["servers"])
+        except ValueError as e:
+            raise ConfigError("servers", chosen["servers"][1], str(e)) from None
     return MemKVConfig(**values, sources=sources)

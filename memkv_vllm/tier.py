@@ -17,7 +17,8 @@ Tier keys (names and defaults of the product this replaces): prefix ("memkv"), n
 (8), n_write_threads (8), blocks_per_op (8), max_store_backlog_mb (2048), lookup_timeout_s (5);
 and, as vLLM's fs and obj tiers take them, locality ("REMOTE" or "LOCAL"; default REMOTE) and
 enable_kv_events (false). Any memkv client setting (servers, auth_key, transport,
-op_timeout_s, ...) may be given too and wins over MEMKV_CONFIG / MEMKV_* variables.
+op_timeout_s, ...) may be given too and wins over MEMKV_CONFIG / MEMKV_* variables; with
+`"backend": "redis"` and `redis://` servers the blocks live in Redis / Valkey (docs/redis.md).
 
 What vLLM's own tiers promise, this one keeps (tests/tier/test_conformance.py): drain_jobs()
 leaves every job's result available, the tier declares its medium and locality (so per-request
@@ -60,9 +61,9 @@ def _make_client(tier_kwargs: dict[str, Any]) -> tuple[Any, Any]:
 
     cfg = load_config(tier_kwargs or None)
     try:
-        from memkv_vllm.client import MemKVClient
+        from memkv_vllm.backends import make_client  # memkv or Redis / Valkey (backend key)
 
-        return MemKVClient.from_config(cfg), cfg
+        return make_client(cfg), cfg
     except Exception as e:  # the engine must come up and recompute rather than die
         logger.error("memkv tier: cannot create the client (%s); every lookup will miss", e)
         return None, cfg

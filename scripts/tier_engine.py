@@ -7,6 +7,7 @@ compute itself came from the memkv cluster.
 
   python scripts/tier_engine.py --model DIR --servers HOST:PORT --prefix NS --out result.json
          [--prompt-tokens 600] [--max-tokens 8] [--no-tier] [--repeat-ttft N]
+         [--backend redis]   (then --servers are redis://HOST:PORT,...)
 
 Measures the time to first token of the prompt (a max_tokens=1 request, the first one this engine
 sees), then runs the prompt with greedy decoding and logprobs for the correctness comparison.
@@ -33,15 +34,18 @@ def prompt_text(n_tokens: int, seed: int = 0) -> str:
     return " ".join(out)
 
 
-def kv_transfer_config(servers: str, prefix: str, cpu_bytes: int) -> dict:
+def kv_transfer_config(servers: str, prefix: str, cpu_bytes: int, backend: str = "memkv"
+                       ) -> dict:
+    tier = {"type": "memkv", "servers": servers.split(","), "prefix": prefix}
+    if backend != "memkv":
+        tier["backend"] = backend  # e.g. "redis" with redis://host:port servers
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "spec_name": "TieringOffloadingSpec",
             "cpu_bytes_to_use": cpu_bytes,
-            "secondary_tiers": [{"type": "memkv", "servers": servers.split(","),
-                                 "prefix": prefix}],
+            "secondary_tiers": [tier],
         },
     }
 
@@ -51,6 +55,8 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--servers", default="127.0.0.1:7390")
     ap.add_argument("--prefix", default="memkv-demo")
+    ap.add_argument("--backend", default="memkv", choices=("memkv", "redis"),
+                    help="redis: --servers are redis://host:port (Redis Cluster or one server)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompt-tokens", type=int, default=600)
     ap.add_argument("--prompt-seed", type=int, default=0)
@@ -69,7 +75,8 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     kw = {} if args.no_tier else {
-        "kv_transfer_config": kv_transfer_config(args.servers, args.prefix, args.cpu_bytes)}
+        "kv_transfer_config": kv_transfer_config(args.servers, args.prefix, args.cpu_bytes,
+                                                 args.backend)}
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=4, enforce_eager=True, seed=0, disable_log_stats=False, **kw)

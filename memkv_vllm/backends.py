@@ -1,0 +1,25 @@
+"""The block client a configuration names: memkv's own cluster or Redis / Valkey.
+
+`make_client(cfg)` is what the vLLM tier (and any other `BlockStore` owner) calls, so that
+``backend: redis`` in the tier dict, the ``MEMKV_CONFIG`` file or ``MEMKV_BACKEND`` switches the
+engine below without touching the code above. Both answers have a ``codes`` face (one ``bytes``
+of `Status` numbers per batch) that implements `memkv_vllm.interface.BlockClient`, and ``close``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memkv_vllm.config import MemKVConfig
+
+
+def make_client(cfg: MemKVConfig, io_threads: int | None = None) -> Any:
+    """`MemKVClient` for ``backend: memkv``, `RedisBlockClient` for ``backend: redis``. Raises
+    ValueError / ImportError for a setting this installation cannot honour."""
+    if cfg.backend == "redis":
+        from memkv_vllm.redis_client import RedisBlockClient
+
+        return RedisBlockClient(cfg, io_threads)
+    from memkv_vllm.client import MemKVClient
+
+    return MemKVClient.from_config(cfg, io_threads)
