@@ -216,6 +216,11 @@ class BlockStore:
         for k in keys:
             self._probing[k] = probe
 
+    def mark_missing(self, keys: Sequence[bytes]) -> None:
+        """Answer MISS for `keys` (for `failed_load_miss_ttl_s`): the owner learned that the
+        cluster lost them, e.g. from a lease renewal that did not find them."""
+        self._mark_missing(keys)
+
     def _mark_missing(self, keys: Sequence[bytes]) -> None:
         exp = self._clock() + self.options.failed_load_miss_ttl_s
         for k in keys:

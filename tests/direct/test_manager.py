@@ -134,3 +134,21 @@ def test_an_unreachable_cluster_is_a_miss(memkv_server):
 def test_tp_size_must_be_positive():
     with pytest.raises(ValueError):
         DirectManager(BlockStore(None), PREFIX, 0, split)
+
+
+def test_a_value_the_lease_renewal_does_not_find_turns_into_a_miss(memkv_server):
+    m, client = make(memkv_server.address, hit_ttl_s=30.0)
+    put_chunk(client, chunk(8), range(1))
+    assert settle(m, chunk(8)) is Lookup.HIT
+    h, g = split(chunk(8))
+    client.delete([key_under(PREFIX, h, g, 0)])  # gone between lookup and load
+    assert m.lookup(chunk(8), "req") is Lookup.HIT  # the cached verdict does not know yet
+    m.prepare_load([chunk(8)])
+    deadline = time.monotonic() + 10
+    while m.lookup(chunk(8), "req") is Lookup.HIT:  # the renewal's answer arrives
+        assert time.monotonic() < deadline, "the lost value is still a hit"
+        m.on_schedule_end()
+        time.sleep(0.01)
+    assert m.lookup(chunk(8), "req") is Lookup.MISS  # the next request recomputes instead
+    m.complete_load([chunk(8)])
+    m.shutdown()
