@@ -54,6 +54,15 @@ def finished(worker, job_id: int, timeout: float = 30.0):
         time.sleep(0.01)
 
 
+def one_engine(address: str, seed: int) -> tuple[object, object, list]:
+    """(worker, manager, KV tensors) of a new single-rank engine, started as vLLM starts one:
+    the worker first, then the scheduler's manager (which adopts the worker's prefix)."""
+    eid, ex = engine(), extra(address)
+    kv, ts = canonical_kv(seed=seed)
+    worker = make_spec(ex, engine_id=eid).get_worker(kv)
+    return worker, make_spec(ex, engine_id=eid).get_manager(), ts
+
+
 def keys(n: int) -> list[bytes]:
     return [kvb.make_offload_key(b"block-hash-%02d" % i, 0) for i in range(n)]
 
@@ -79,10 +88,7 @@ def test_store_then_load_through_vllms_classes(memkv_server) -> None:
     assert manager.prepare_store(ks, kvb.ReqContext(req_id="r1")).keys_to_store == []
 
     # Another engine (new ids, new prefix board) reads them: same model, same namespace.
-    eid2 = engine()
-    kv2, ts2 = canonical_kv(seed=2)
-    worker2 = make_spec(ex, engine_id=eid2).get_worker(kv2)
-    manager2 = make_spec(ex, engine_id=eid2).get_manager()
+    worker2, manager2, ts2 = one_engine(memkv_server.address, seed=2)
     assert [ask(manager2, k) for k in ks] == [kvb.LookupResult.HIT] * 2
     load_spec = pickle.loads(pickle.dumps(manager2.prepare_load(ks, kvb.ReqContext(req_id="r"))))
     # The first block is already cached: the load starts one block into the first chunk.
@@ -103,11 +109,7 @@ def test_store_then_load_through_vllms_classes(memkv_server) -> None:
 
 
 def test_a_failed_load_in_the_plain_configuration_is_reported_and_never_written(memkv_server):
-    eid = engine()
-    ex = extra(memkv_server.address)
-    kv, ts = canonical_kv(seed=3)
-    worker = make_spec(ex, engine_id=eid).get_worker(kv)
-    manager = make_spec(ex, engine_id=eid).get_manager()
+    worker, manager, ts = one_engine(memkv_server.address, seed=3)
     spec = manager.prepare_load(keys(1), kvb.ReqContext(req_id="r"))  # nothing stored
     before = [t.clone() for t in ts]
     worker.submit_load(1, spec, kvb.GPULoadStoreSpec([3, 4], group_sizes=[2], block_indices=[0]))

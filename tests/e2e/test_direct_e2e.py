@@ -10,9 +10,7 @@ equal A's, the cold run's, exactly.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -24,7 +22,7 @@ pytest.importorskip("vllm", reason="e2e tests need vLLM (use a venv from scripts
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from memkv_procs import MemKVServer  # noqa: E402
-from vllm_procs import engine_env  # noqa: E402
+from vllm_procs import run_engine_script  # noqa: E402
 
 from memkv_vllm.direct.prefixes import default_root  # noqa: E402
 
@@ -33,15 +31,10 @@ BLOCK = 128  # vLLM's default block size on the CPU platform: one chunk per bloc
 PROMPT_TOKENS = 600  # -> 4 full chunks (512 tokens) can come from the cluster
 
 
-def run_engine(model: str, server: str, prefix: str, out: Path, timeout: int = 480) -> dict:
-    cmd = [sys.executable, str(ROOT / "tests" / "e2e" / "direct_engine.py"), "--model", model,
-           "--servers", server, "--prefix", prefix, "--out", str(out),
-           "--prompt-tokens", str(PROMPT_TOKENS)]
-    p = subprocess.run(cmd, env=engine_env(), capture_output=True, text=True, timeout=timeout)
-    log = out.with_suffix(".log")
-    log.write_text(p.stdout + p.stderr)
-    assert p.returncode == 0, f"engine failed (rc {p.returncode}), log: {log}\n{p.stderr[-3000:]}"
-    return json.loads(out.read_text())
+def run_engine(model: str, server: str, prefix: str, out: Path) -> dict:
+    return run_engine_script(ROOT / "tests" / "e2e" / "direct_engine.py",
+                             ["--model", model, "--servers", server, "--prefix", prefix,
+                              "--prompt-tokens", str(PROMPT_TOKENS)], out)
 
 
 @pytest.fixture(scope="module")
