@@ -72,6 +72,9 @@ class MemKVOffloadingManager(_BASES.manager):  # type: ignore[misc,name-defined]
             logger.exception("memkv direct: lookup failed; answering MISS")
             return _API.lookup_result(Lookup.MISS)
 
+    def get_load_source(self, key: bytes, req_context: Any) -> Any:
+        return _API.direct_load_source()  # vLLM 0.32+ only
+
     def prepare_load(self, keys: Any, req_context: Any) -> Any:
         return MemKVLoadStoreSpec(self.logic.prepare_load([bytes(k) for k in keys]))
 

@@ -405,6 +405,14 @@ class VllmAdapter(ABC):
                   for g in kv_caches.group_data_refs]
         return tensors, groups
 
+    def direct_load_source(self) -> Any:
+        """What direct mode's hits are attributed to (vLLM 0.32+ asks the manager; older vLLM
+        never calls this): P2P, as for the tier (see `declare_tier_class`), because the blocks
+        were computed by other engines and come over the network."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        return CacheHitSource.P2P
+
     @abstractmethod
     def direct_facts(self, spec: Any) -> DirectFacts:
         """What direct mode reads from an offloading spec (see DirectFacts)."""

@@ -160,3 +160,14 @@ def test_metrics_are_declared_and_the_load_store_spec_is_concrete():
     assert "vllm:kv_offload_memkv_lookups" in defs
     s = MemKVLoadStoreSpec([(b"h", 0)])  # abstract medium() on 0.25 would refuse this
     assert s.medium() == "memkv" and s.chunks == ((b"h", 0),)
+
+
+def test_hits_are_attributed_to_peers_where_vllm_asks():
+    from memkv_vllm.spec import MemKVOffloadingManager
+
+    if "get_load_source" not in vars(kvb.OffloadingManager):
+        pytest.skip("this vLLM does not ask a manager where its hits came from (0.32+)")
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    source = MemKVOffloadingManager.get_load_source(None, b"k", kvb.ReqContext(req_id="r"))
+    assert CacheHitSource(source) is CacheHitSource.P2P
