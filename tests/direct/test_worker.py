@@ -23,10 +23,14 @@ PREFIX = b"mkD1" + bytes(16)
 BPC = 2  # GPU blocks per chunk
 
 
-def kv_cache(num_blocks: int = 16, seed: int = 0) -> PagedKV:
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+def kv_cache(num_blocks: int = 16, seed: int = 0, device: str = "cpu") -> PagedKV:
     """Two layers of 64-byte pages; group 0 is both layers, group 1 half of layer 1 (padding)."""
     g = torch.Generator().manual_seed(seed)
-    ts = [torch.randint(0, 255, (num_blocks, 64), dtype=torch.uint8, generator=g)
+    ts = [torch.randint(0, 255, (num_blocks, 64), dtype=torch.uint8, generator=g).to(device)
           for _ in range(2)]
     return PagedKV(ts, [[KVRef(0, 64), KVRef(1, 64)], [KVRef(1, 32)]], blocks_per_value=BPC)
 
@@ -48,7 +52,7 @@ def finish(w: DirectWorker, job_id: int, timeout: float = 30.0) -> Finished:
 
 
 def block(kv: PagedKV, t: int, b: int) -> bytes:
-    return kv.tensors[t][b].numpy().tobytes()
+    return kv.tensors[t][b].cpu().numpy().tobytes()
 
 
 def test_job_geometry_follows_vllms_mapping() -> None:
@@ -65,8 +69,10 @@ def test_job_geometry_follows_vllms_mapping() -> None:
         job_entries([10], [2], [0], chunks[:1], BPC, PREFIX, 1)  # fewer blocks than named
 
 
-def test_store_then_load_elsewhere_is_byte_exact_including_a_partial_first_chunk(memkv_server):
-    src, dst = kv_cache(seed=1), kv_cache(seed=2)
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_then_load_elsewhere_is_byte_exact_including_a_partial_first_chunk(memkv_server,
+                                                                                 device):
+    src, dst = kv_cache(seed=1, device=device), kv_cache(seed=2, device=device)
     ws, wd = worker(memkv_server.address, src), worker(memkv_server.address, dst)
     chunks = [(b"a", 0), (b"b", 0), (b"c", 1)]
     ws.submit_store(1, [2, 3, 4, 5, 6, 7], [4, 2], [0, 0], chunks)
@@ -95,8 +101,9 @@ def test_a_chunk_covered_in_part_is_never_stored(memkv_server):
     w.shutdown()
 
 
-def test_a_failed_load_writes_nothing_and_is_reported_as_the_route_allows(memkv_server):
-    kv = kv_cache()
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_failed_load_writes_nothing_and_is_reported_as_the_route_allows(memkv_server, device):
+    kv = kv_cache(device=device)
     w = worker(memkv_server.address, kv)
     before = [block(kv, t, b) for t in (0, 1) for b in range(16)]
     w.submit_load(1, [4, 5], [2], [0], [(b"absent", 0)])
