@@ -35,11 +35,12 @@ def kv_cache(num_blocks: int = 16, seed: int = 0, device: str = "cpu") -> PagedK
     return PagedKV(ts, [[KVRef(0, 64), KVRef(1, 64)], [KVRef(1, 32)]], blocks_per_value=BPC)
 
 
-def worker(address: str, kv: PagedKV, op_timeout_s: float = 10.0, **kw: object) -> DirectWorker:
+def worker(address: str, kv: PagedKV, op_timeout_s: float = 10.0, slots: int = 8,
+           **kw: object) -> DirectWorker:
     client = MemKVClient.from_config(load_config({"servers": [address],
                                                   "op_timeout_s": op_timeout_s}))
     store = BlockStore(client.codes, StoreOptions(n_read_threads=2, n_write_threads=2))
-    off = KVOffloader(kv, store, medium="host", scratch_bytes=8 * 4096)
+    off = KVOffloader(kv, store, medium="host", scratch_bytes=slots * 4096)
     return DirectWorker(off, PREFIX, rank=1, blocks_per_chunk=BPC, **kw)  # type: ignore[arg-type]
 
 
@@ -150,4 +151,21 @@ def test_wait_gives_up_a_load_stuck_on_a_frozen_server_and_it_never_writes(memkv
     f = finish(w, 2)  # the value may still arrive: it must not be written any more
     assert f.success and w.take_failed_block_ids() == {8, 9}
     assert [block(kv, t, b) for t in (0, 1) for b in (8, 9)] == before
+    w.shutdown()
+
+
+def test_a_job_named_in_wait_jumps_the_queue(memkv_server):
+    src = kv_cache(seed=5)
+    ws = worker(memkv_server.address, src)
+    chunks = [(b"q%d" % i, 0) for i in range(8)]
+    ws.submit_store(1, list(range(16)), [16], [0], chunks)
+    assert finish(ws, 1).success
+    ws.shutdown()
+    w = worker(memkv_server.address, kv_cache(seed=6), slots=1)  # one value at a time
+    w.submit_load(1, list(range(16)), [16], [0], chunks)  # eight values, one after another
+    w.submit_load(2, [0, 1], [2], [0], chunks[:1])  # queued behind all of job 1
+    w.wait({2})
+    done = w.get_finished()
+    assert [f.job_id for f in done] == [2]  # job 1 still has values waiting for the slot
+    assert w.offloader.drain(30) and [f.job_id for f in w.get_finished()] == [1]
     w.shutdown()
