@@ -233,6 +233,11 @@ class VllmAdapter(ABC):
             return False, "prefix_caching_hash_algo=xxhash seeds block hashes randomly"
         return True, ""
 
+    def hash_algo(self) -> str | None:
+        """The engine's prefix_caching_hash_algo, where the vLLM config in force tells it
+        (worker start-up runs under it); None where it does not."""
+        return self._hash_algo()
+
     def _hash_algo(self) -> str | None:
         try:
             from vllm.config import get_current_vllm_config
