@@ -216,6 +216,11 @@ class BlockStore:
         for k in keys:
             self._probing[k] = probe
 
+    def mark_missing(self, keys: Sequence[bytes]) -> None:
+        """Answer MISS for `keys` (for `failed_load_miss_ttl_s`): the owner learned that the
+        cluster lost them, e.g. from a lease renewal that did not find them."""
+        self._mark_missing(keys)
+
     def _mark_missing(self, keys: Sequence[bytes]) -> None:
         exp = self._clock() + self.options.failed_load_miss_ttl_s
         for k in keys:
@@ -287,6 +292,10 @@ class BlockStore:
         self._store_bytes_by_job[job_id] = nbytes
         self._submit(False, job_id, [keys[i] for i in todo], [ptrs[i] for i in todo],
                      [sizes[i] for i in todo], [bufs[i] for i in todo], skipped)
+
+    def known_hit(self, key: bytes) -> bool:
+        """Is `key` known to be in the cluster (an unexpired HIT verdict)? Never probes."""
+        return self._known_hit(key, self._clock())
 
     def _known_hit(self, key: bytes, now: float) -> bool:
         v = self._verdicts.get(key)
