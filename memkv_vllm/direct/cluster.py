@@ -1,4 +1,5 @@
-"""The memkv client and `BlockStore` of one direct-mode process (scheduler or worker)."""
+"""The block client (memkv or Redis, by ``backend``) and `BlockStore` of one direct-mode process
+(scheduler or worker)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ def connect(overrides: Mapping[str, Any], **store_options: Any
     cfg = load_config(dict(overrides) or None)
     client = None
     try:
-        from memkv_vllm.client import MemKVClient
+        from memkv_vllm.backends import make_client
 
-        client = MemKVClient.from_config(cfg)
+        client = make_client(cfg)
     except Exception as e:
-        logger.error("memkv direct: cannot create the client (%s); every lookup will miss", e)
+        logger.error("memkv direct: cannot create the %s client (%s); every lookup will miss",
+                     cfg.backend, e)
     store_options.setdefault("lookup_lease_ms", int(cfg.lease_ms))
     # The store compares status numbers: it takes the client's code-bytes face.
     store = BlockStore(None if client is None else client.codes, StoreOptions(**store_options))
