@@ -12,18 +12,17 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-redis = pytest.importorskip("redis", reason="the redis backend needs redis-py (scripts/test.sh --setup)")
+redis = pytest.importorskip("redis", reason="the redis backend needs redis-py (test.sh --setup)")
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from redis_procs import RedisStandalone  # noqa: E402
+from test_worker import BPC, PREFIX, block, finish, kv_cache  # noqa: E402
 
 from memkv_vllm.direct.cluster import connect  # noqa: E402
 from memkv_vllm.direct.worker import DirectWorker  # noqa: E402
 from memkv_vllm.direct_keys import key_under  # noqa: E402
 from memkv_vllm.offload import KVOffloader  # noqa: E402
 from memkv_vllm.redis_client import RedisBlockClient, redis_key  # noqa: E402
-
-from test_worker import BPC, PREFIX, block, finish, kv_cache  # noqa: E402
 
 
 @pytest.fixture(scope="module")
