@@ -1,0 +1,180 @@
+"""Direct mode on real vLLM when the cluster fails: the engine lives and answers as if cold.
+
+Engine A (a process, direct mode through the recompute connector) serves five prompts cold and
+stores their blocks in one memkv server; its answers (greedy tokens and logprobs) are the cold
+reference. Then, each against A's values:
+- evicted: the test fills the server until the first prompt's values are evicted (memory
+  pressure; the server evicts oldest first and A waited for that prompt's stores before the
+  next one): engine B misses and recomputes;
+- (control) a prompt whose values are all there: engine B loads its whole prefix;
+- frozen: the server is SIGSTOPped when engine B's worker starts the loads (after the
+  scheduler's lookups hit and leased the values); the loads time out;
+- killed between lookup and load: the same moment, SIGKILL;
+- dead: a prompt after the server's death;
+- killed before engine B: a new engine B starts while nothing listens at the address.
+The first five cases run one after another in one engine B process (an engine start costs most
+of the time on a small machine). The lookup-to-load moment is hit by a hook in the worker
+(tests/e2e/fault_connector.py), which acts when the loads start and polls until the signal has
+taken effect. In the frozen and killed cases the connector must have reported the loads' blocks
+to vLLM as load errors (so vLLM's kv_load_failure_policy "recompute" did the recovery, not a
+lookup miss).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="e2e tests need vLLM (use a venv from scripts/setup-vllm.sh)")
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "tests"))
+from memkv_procs import MemKVServer  # noqa: E402
+from vllm_procs import engine_env  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+BLOCK = 128  # vLLM's block size on the CPU platform
+PROMPT_BLOCKS = 4  # direct_fault_engine.py's 600-token prompts: 4 full blocks, one value each
+PREFIX_TOKENS = PROMPT_BLOCKS * BLOCK
+PROMPTS = {"evicted": 1, "hit": 2, "frozen": 3, "killed": 4, "dead": 5}  # case -> prompt seed
+
+
+def run_engine(model: str, address: str, work: Path, name: str, cases: list[dict],
+               server_pid: int = 0, wait_items: int = 0, timeout: int = 480) -> dict:
+    """One direct_fault_engine.py process (its own session: whatever it leaves is killed)."""
+    out, plan = work / f"{name}.json", work / f"{name}-plan" / "plan.json"
+    plan.parent.mkdir()
+    env = {**engine_env(),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]),
+           "MEMKV_TEST_FAULT_PLAN": str(plan),
+           # Small client timeouts: a frozen server costs seconds, not the default 10 s per op.
+           "MEMKV_OP_TIMEOUT_S": "2", "MEMKV_CONNECT_TIMEOUT_S": "0.5"}
+    cmd = [sys.executable, str(HERE / "direct_fault_engine.py"), "--model", model,
+           "--servers", address, "--out", str(out), "--cases", json.dumps(cases),
+           "--server-pid", str(server_pid), "--wait-items", str(wait_items)]
+    log = work / f"{name}.log"
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        try:
+            rc = p.wait(timeout)
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # engine-core children, if any survived
+            except ProcessLookupError:
+                pass
+            p.wait()
+    assert rc == 0, f"engine {name} failed (rc {rc}), log {log}:\n{log.read_text()[-4000:]}"
+    return json.loads(out.read_text())
+
+
+def wait_for(cond, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def evict_oldest(server: MemKVServer, n: int) -> None:
+    """Fill the server with other values until it evicted `n` (its oldest, with one lane)."""
+    from memkv_vllm.client import MemKVClient
+    from memkv_vllm.config import load_config
+
+    client = MemKVClient.from_config(load_config({"servers": server.address}))
+    try:
+        filler = bytes(BLOCK * 1024)  # the size of one of the tiny model's values (128 KiB)
+        i = 0
+        while server.stats()["evictions"] < n:
+            assert i < 4096, "the server never evicted"
+            client.put([f"filler-{uuid.uuid4().hex}".encode()], [filler])
+            i += 1
+    finally:
+        client.close()
+
+
+def same_as_cold(result: dict, cold: dict) -> None:
+    assert result["tokens"] == cold["tokens"]
+    assert result["logprobs"] == cold["logprobs"]
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    # One lane: one eviction order for all values. 16 MiB holds A's 20 values many times over.
+    server = MemKVServer(memory="16M", lanes=1).start()
+    work = tmp_path_factory.mktemp("direct-faults")
+    try:
+        cases = [{"name": n, "seed": s} for n, s in PROMPTS.items()]
+        a = run_engine(model, server.address, work, "a", cases, wait_items=PROMPT_BLOCKS)
+        wait_for(lambda: server.stats()["items"] == len(PROMPTS) * PROMPT_BLOCKS,
+                 "engine A's values did not all reach the server")
+        yield {"server": server, "work": work, "a": a["cases"], "model": model}
+    finally:
+        if server.alive():
+            assert server.proc is not None
+            os.kill(server.proc.pid, signal.SIGCONT)
+        server.kill()
+
+
+@pytest.fixture(scope="module")
+def engine_b(cluster) -> dict:
+    server = cluster["server"]
+    evict_oldest(server, PROMPT_BLOCKS)
+    assert server.alive()
+    assert server.proc is not None
+    faults = {"frozen": "SIGSTOP", "killed": "SIGKILL"}
+    cases = [{"name": n, "seed": s, "fault": faults.get(n)} for n, s in PROMPTS.items()]
+    b = run_engine(cluster["model"], server.address, cluster["work"], "b", cases,
+                   server_pid=server.proc.pid)
+    return b["cases"]
+
+
+def test_engine_a_stores_every_prompt_once(cluster) -> None:
+    stats = cluster["server"].stats()
+    assert stats["puts"] == len(PROMPTS) * PROMPT_BLOCKS
+    assert all(c["num_cached_tokens"] == 0 for c in cluster["a"].values())
+
+
+def test_evicted_values_are_recomputed(cluster, engine_b) -> None:
+    b = engine_b["evicted"]
+    assert b["num_cached_tokens"] == 0
+    same_as_cold(b, cluster["a"]["evicted"])
+
+
+def test_values_that_are_there_are_loaded(cluster, engine_b) -> None:
+    b = engine_b["hit"]
+    assert b["num_cached_tokens"] == PREFIX_TOKENS
+    assert b["load_errors"] == []
+    same_as_cold(b, cluster["a"]["hit"])
+
+
+@pytest.mark.parametrize("case", ["frozen", "killed"])
+def test_a_load_that_fails_after_its_lookup_is_recomputed(cluster, engine_b, case) -> None:
+    b = engine_b[case]
+    assert b["fired"], "the fault hook never saw this prompt's loads start"
+    failed = {blk for report in b["load_errors"] for blk in report}
+    assert len(failed) == PROMPT_BLOCKS  # every block of the load went back to vLLM
+    same_as_cold(b, cluster["a"][case])
+
+
+def test_a_dead_server_is_a_miss(cluster, engine_b) -> None:
+    assert not cluster["server"].alive()
+    b = engine_b["dead"]
+    assert b["num_cached_tokens"] == 0 and b["load_errors"] == []
+    same_as_cold(b, cluster["a"]["dead"])
+
+
+def test_engine_starts_and_answers_with_the_server_killed_before(cluster, engine_b) -> None:
+    assert not cluster["server"].alive()
+    b = run_engine(cluster["model"], cluster["server"].address, cluster["work"], "b2",
+                   [{"name": "hit", "seed": PROMPTS["hit"]}])
+    same_as_cold(b["cases"]["hit"], cluster["a"]["hit"])
+
