@@ -61,7 +61,13 @@ class DirectKeyLayout:
     def key(self, block_hash: bytes, group: int, rank: int) -> bytes:
         if not 0 <= rank < self.tp_size:
             raise ValueError(f"rank {rank} outside TP size {self.tp_size}")
-        return self.prefix + rank.to_bytes(2, "big") + group.to_bytes(4, "big") + block_hash
+        return key_under(self.prefix, block_hash, group, rank)
+
+
+def key_under(prefix: bytes, block_hash: bytes, group: int, rank: int) -> bytes:
+    """The key of one block of one rank in the namespace whose `prefix` is given (what the
+    scheduler, which only adopts the workers' prefix, computes)."""
+    return prefix + rank.to_bytes(2, "big") + group.to_bytes(4, "big") + block_hash
 
 
 def weights_fingerprint(model: str, revision: str | None = None) -> str:

@@ -288,6 +288,10 @@ class BlockStore:
         self._submit(False, job_id, [keys[i] for i in todo], [ptrs[i] for i in todo],
                      [sizes[i] for i in todo], [bufs[i] for i in todo], skipped)
 
+    def known_hit(self, key: bytes) -> bool:
+        """Is `key` known to be in the cluster (an unexpired HIT verdict)? Never probes."""
+        return self._known_hit(key, self._clock())
+
     def _known_hit(self, key: bytes, now: float) -> bool:
         v = self._verdicts.get(key)
         return v is not None and v[0] is Lookup.HIT and v[1] > now

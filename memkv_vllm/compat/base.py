@@ -258,9 +258,12 @@ class VllmAdapter(ABC):
         """A JobResult; `successful_keys` (loads only) names the keys that transferred when not
         all did. Fields a generation lacks are dropped."""
 
-    def transfer_result(self, job_id: int, nbytes: int, seconds: float) -> Any:
-        """A successful worker TransferResult (a worker never reports failure: vLLM asserts)."""
-        return self.kvb.TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
+    def transfer_result(self, job_id: int, nbytes: int, seconds: float, *,
+                        success: bool = True) -> Any:
+        """A worker TransferResult. vLLM's OffloadingConnector asserts on success=False (the
+        engine stops): only direct mode's plain configuration reports one, for a load that
+        cannot be recomputed (memkv_vllm.direct.worker says why)."""
+        return self.kvb.TransferResult(job_id=job_id, success=success, transfer_size=nbytes,
                                        transfer_time=seconds)
 
     # ------------------------------------------------------------------ metrics
@@ -401,4 +404,80 @@ class VllmAdapter(ABC):
                 vc = None
         mc = getattr(vc, "model_config", None)
         return None if mc is None else str(mc.dtype).replace("torch.", "")
+
+    # ------------------------------------------------------------------ direct mode
+    def direct_base_classes(self) -> DirectBases:
+        """The vLLM classes direct mode's spec, manager, worker and load/store spec derive from.
+        (LoadStoreSpec is abstract on 0.25 only, with a static `medium()`; subclasses define it.)"""
+        kvb = self.kvb
+        return DirectBases(kvb.OffloadingSpec, kvb.OffloadingManager, kvb.OffloadingWorker,
+                           kvb.LoadStoreSpec)
+
+    def prepare_store_output(self, keys_to_store: list[bytes], store_spec: Any) -> Any:
+        """vLLM's PrepareStoreOutput (nothing is evicted locally: the cluster evicts)."""
+        return self.kvb.PrepareStoreOutput(keys_to_store=keys_to_store, store_spec=store_spec,
+                                           evicted_keys=[])
+
+    def gpu_job(self, gpu_spec: Any) -> tuple[list[int], list[int], list[int]]:
+        """(block ids, group sizes, block indices) of a GPULoadStoreSpec, as Python ints."""
+        return ([int(b) for b in gpu_spec.block_ids], [int(n) for n in gpu_spec.group_sizes],
+                [int(i) for i in gpu_spec.block_indices])
+
+    def canonical_kv(self, kv_caches: Any) -> tuple[list[Any], list[list[tuple[int, int]]]]:
+        """(one (num_blocks, page) int8 tensor per canonical KV tensor, and per offloaded group
+        its refs (tensor index, unpadded bytes)) of vLLM's CanonicalKVCaches."""
+        import torch
+
+        tensors = []
+        for t in kv_caches.tensors:
+            page, d = int(t.page_size_bytes), t.tensor
+            if d.dtype != torch.int8 or d.ndim != 2:
+                d = d.view(torch.int8).view((-1, page))
+            tensors.append(d)
+        groups = [[(int(r.tensor_idx), int(r.page_size_bytes)) for r in g]
+                  for g in kv_caches.group_data_refs]
+        return tensors, groups
+
+    @abstractmethod
+    def direct_facts(self, spec: Any) -> DirectFacts:
+        """What direct mode reads from an offloading spec (see DirectFacts)."""
+
+    def _current_model_config(self) -> Any:
+        """The model config of the vLLM config in force, if one is (worker start-up sets it)."""
+        try:
+            from vllm.config import get_current_vllm_config_or_none
+
+            vc = get_current_vllm_config_or_none()
+        except ImportError:
+            return None
+        return None if vc is None else getattr(vc, "model_config", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectBases:
+    spec: type
+    manager: type
+    worker: type
+    load_store_spec: type
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectFacts:
+    """An offloading spec's facts, as direct mode needs them (plain values, no vLLM)."""
+
+    model: str  # path or hub name
+    revision: str | None
+    dtype: str  # KV cache dtype as stored ("auto" resolved to the model's dtype where known)
+    tp_size: int
+    pp_size: int
+    pcp_size: int
+    dcp_size: int
+    world_size: int
+    rank: int  # this process's worker rank (0 in the scheduler)
+    blocks_per_chunk: int
+    tokens_per_chunk: int
+    kv_layout: str  # vLLM's KV cache layout for the connector (block-leading)
+    engine_id: str
+    extra_config: Mapping[str, Any]
+    kv_events: bool
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from memkv_vllm.compat.base import VllmAdapter
+from memkv_vllm.compat.base import DirectFacts, VllmAdapter
 
 
 class Api025(VllmAdapter):
@@ -79,3 +79,23 @@ class Api025(VllmAdapter):
 
     def region_worker_view(self, region: Any, nbytes: int) -> Any:
         return region.create_next_view(nbytes)
+
+    # ------------------------------------------------------------------ direct mode
+    def direct_facts(self, spec: Any) -> DirectFacts:
+        vc = spec.vllm_config
+        mc, pc = vc.model_config, vc.parallel_config
+        dtype = str(vc.cache_config.cache_dtype)
+        if dtype == "auto":
+            dtype = str(mc.dtype).replace("torch.", "")
+        bpc = int(spec.block_size_factor)
+        return DirectFacts(
+            model=str(mc.model), revision=getattr(mc, "revision", None), dtype=dtype,
+            tp_size=int(pc.tensor_parallel_size), pp_size=int(pc.pipeline_parallel_size),
+            pcp_size=int(getattr(pc, "prefill_context_parallel_size", 1)),
+            dcp_size=int(getattr(pc, "decode_context_parallel_size", 1)),
+            world_size=int(pc.world_size), rank=int(getattr(pc, "rank", 0)),
+            blocks_per_chunk=bpc, tokens_per_chunk=bpc * int(min(spec.gpu_block_size)),
+            kv_layout="HND", engine_id=self.engine_id(spec),
+            extra_config=dict(spec.extra_config),
+            kv_events=bool(spec.kv_events_config.enable_kv_cache_events))
+

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from memkv_vllm.compat.base import DirectFacts
 from memkv_vllm.compat.v0_25 import Api025
 
 
@@ -60,3 +61,26 @@ class Api026(Api025):
             kv_bytes_per_block=kv_bytes,
             cpu_page_size=spec.cpu_page_size_per_worker,
         )
+
+    # ------------------------------------------------------------------ direct mode
+    def direct_facts(self, spec: Any) -> DirectFacts:
+        cfg = spec.config
+        par = cfg.parallel
+        mc = self._current_model_config()
+        dtype = str(cfg.model.dtype)
+        if dtype == "auto" and mc is not None:  # 0.26 records the raw cache dtype
+            dtype = str(mc.dtype).replace("torch.", "")
+        bpc = int(spec.blocks_per_chunk)
+        # 0.29+ records the layout (and requires a block-leading "LBHNC" unless set); before,
+        # the connector required "HND".
+        layout = getattr(cfg, "kv_cache_layout", None) or (
+            "LBHNC" if hasattr(cfg, "kv_cache_layout") else "HND")
+        return DirectFacts(
+            model=str(cfg.model.name), revision=getattr(mc, "revision", None), dtype=dtype,
+            tp_size=int(par.tp_size), pp_size=int(par.pp_size), pcp_size=int(par.pcp_size),
+            dcp_size=int(par.dcp_size), world_size=int(par.world_size), rank=int(par.rank),
+            blocks_per_chunk=bpc, tokens_per_chunk=bpc * int(min(spec.tokens_per_block)),
+            kv_layout=str(layout), engine_id=self.engine_id(spec),
+            extra_config=dict(cfg.extra_config),
+            kv_events=bool(cfg.enable_kv_cache_events))
+

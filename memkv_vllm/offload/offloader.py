@@ -61,6 +61,7 @@ class _Job:
     ok_keys: list[bytes] = attrs.Factory(list)
     failed: list[int] = attrs.Factory(list)
     nbytes: int = 0
+    abandoned: bool = False  # loads: write no more blocks (see `abandon`)
 
 
 @attrs.define(eq=False)
@@ -219,7 +220,8 @@ class KVOffloader:
 
     def _io_done(self, b: _Batch, c: Completion) -> None:
         got = set(c.ok_keys)
-        ok = [e.key in got for e in b.entries]
+        lost = b.job.is_load and b.job.abandoned  # its blocks belong to someone else now
+        ok = [e.key in got and not lost for e in b.entries]
         if not b.job.is_load:
             self._settle(b, ok)
             return
@@ -294,6 +296,41 @@ class KVOffloader:
             self._copying[0].fence.wait()  # type: ignore[union-attr]
         else:
             self._store.wait_any(0.05 if left is None else min(0.05, left))
+
+    def prioritize(self, job_ids: Iterable[int]) -> None:
+        """Move the listed jobs' unstarted entries ahead of every other job's (someone waits for
+        them). Unknown ids are ignored."""
+        ids = set(job_ids)
+        for q in self._queues.values():
+            first = [j for j in q if j.job_id in ids]
+            if first:
+                rest = [j for j in q if j.job_id not in ids]
+                q.clear()
+                q.extend(first + rest)
+
+    def abandon(self, job_ids: Iterable[int]) -> None:
+        """Give up on the listed jobs' remaining work, after a `wait` that timed out: entries not
+        started fail, and a load writes none of its blocks once its values arrive (its caller
+        reuses them). Copies already issued to a device still run. The jobs still finish through
+        `poll`, with the given-up blocks failed."""
+        for j in job_ids:
+            job = self._jobs.get(j)
+            if job is None:
+                continue
+            job.abandoned = True
+            if not job.pending:
+                continue
+            q = self._queues[job.is_load]
+            if job in q:
+                q.remove(job)
+            n = len(job.pending)
+            job.failed.extend(b for e in job.pending for b in e.block_ids)
+            job.pending.clear()
+            job.open -= n
+            if not job.is_load:
+                job.uncopied -= n
+            if job.open == 0:
+                self._finish(job)
 
     def has_pending_jobs(self) -> bool:
         return bool(self._jobs or self._finished)

@@ -1,0 +1,10 @@
+"""Direct mode without vLLM: what `memkv_vllm.spec` (the vLLM-facing shell) delegates to.
+
+* `options` — the `memkv_*` keys of kv_connector_extra_config, parsed and checked at startup.
+* `prefixes` — workers publish their key prefix at startup, the scheduler adopts it.
+* `manager` — scheduler side: lookups (with server leases), loads and stores by chunk key.
+* `worker` — worker side: jobs over the engine's KV tensors through `KVOffloader`.
+
+No vLLM imports here: the spec converts vLLM's objects to plain values (compat does the
+version-specific part) and back.
+"""

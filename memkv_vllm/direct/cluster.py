@@ -1,0 +1,31 @@
+"""The memkv client and `BlockStore` of one direct-mode process (scheduler or worker)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from memkv_vllm.config import MemKVConfig, load_config
+from memkv_vllm.store import BlockStore, StoreOptions
+
+logger = logging.getLogger("vllm.memkv_direct")
+
+
+def connect(overrides: Mapping[str, Any], **store_options: Any
+            ) -> tuple[BlockStore, Any, MemKVConfig]:
+    """(block store, client or None, settings). A bad setting raises (startup); a client that
+    cannot be made does not: every lookup then misses and every job fails, and the engine
+    computes everything itself."""
+    cfg = load_config(dict(overrides) or None)
+    client = None
+    try:
+        from memkv_vllm.client import MemKVClient
+
+        client = MemKVClient.from_config(cfg)
+    except Exception as e:
+        logger.error("memkv direct: cannot create the client (%s); every lookup will miss", e)
+    store_options.setdefault("lookup_lease_ms", int(cfg.lease_ms))
+    # The store compares status numbers: it takes the client's code-bytes face.
+    store = BlockStore(None if client is None else client.codes, StoreOptions(**store_options))
+    return store, client, cfg

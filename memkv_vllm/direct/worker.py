@@ -1,0 +1,177 @@
+"""Worker side of direct mode: vLLM's transfer jobs as `KVOffloader` jobs over the engine's KV.
+
+A job names GPU blocks group-major (`group_sizes[g]` ids for KV-cache group g, the first of them
+at request-logical index `block_indices[g]`) and, in the same order, the chunks they belong to
+(block hash, key group). GPU block i of group g is sub-block `skip + i` of that group's run of
+chunks, `skip = block_indices[g] % blocks_per_chunk` (vLLM's own CPU worker maps them the same
+way). Each chunk is one value of this rank: `key_under(prefix, hash, group, rank)`.
+
+Contracts with vLLM's OffloadingConnector, all kept here:
+* `submit_*` never block and never raise (a malformed job is logged and finishes failed);
+* `get_finished` answers every job exactly once;
+* `wait` returns once the listed jobs no longer touch their blocks (stores copied out, loads
+  written), jumping them ahead of queued work; after `wait_timeout_s` it gives them up
+  (`KVOffloader.abandon`): a load then writes none of its blocks and counts as failed;
+* a store finishes when its values are committed in the cluster (or failed: a missing value
+  costs a later miss, nothing else, so a store always reports success);
+* a load that did not write all of its blocks is a FAILED load. With `recompute_failed_loads`
+  (set by a connector that reports `take_failed_block_ids()` to vLLM as blocks with load errors)
+  it reports success and vLLM recomputes those blocks. Without it (vLLM's stock
+  OffloadingConnector has no such path) it reports failure, which stops the engine: serving
+  tokens computed from KV that was never loaded would be worse.
+
+Threads: vLLM's worker thread only. No vLLM imports.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from memkv_vllm.direct_keys import key_under
+from memkv_vllm.offload import Entry, KVOffloader
+
+logger = logging.getLogger("vllm.memkv_direct")
+
+
+@attrs.frozen
+class Finished:
+    """One job's answer for vLLM's TransferResult."""
+
+    job_id: int
+    success: bool
+    nbytes: int
+    seconds: float
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def job_entries(block_ids: Sequence[int], group_sizes: Sequence[int],
+                block_indices: Sequence[int], chunks: Sequence[tuple[bytes, int]],
+                blocks_per_chunk: int, prefix: bytes, rank: int) -> list[Entry]:
+    """The values of one job (see the module doc). ValueError when the lists do not fit."""
+    if len(group_sizes) != len(block_indices):
+        raise ValueError(f"{len(group_sizes)} group sizes, {len(block_indices)} block indices")
+    entries: list[Entry] = []
+    b = c = 0
+    for g, (n, first) in enumerate(zip(group_sizes, block_indices, strict=True)):
+        n = int(n)
+        if n == 0:
+            continue
+        skip = int(first) % blocks_per_chunk
+        blocks = [int(x) for x in block_ids[b:b + n]]
+        if len(blocks) != n:
+            raise ValueError(f"group {g}: {n} blocks named, {len(blocks)} given")
+        for j in range(_cdiv(n + skip, blocks_per_chunk)):
+            if c >= len(chunks):
+                raise ValueError(f"group {g} needs more chunks than the job's {len(chunks)}")
+            lo = max(0, j * blocks_per_chunk - skip)
+            hi = min(n, (j + 1) * blocks_per_chunk - skip)
+            block_hash, key_group = chunks[c]
+            entries.append(Entry(key_under(prefix, block_hash, key_group, rank), g,
+                                 tuple(blocks[lo:hi]), first_pos=(skip + lo) % blocks_per_chunk))
+            c += 1
+        b += n
+    if b != len(block_ids) or c != len(chunks):
+        raise ValueError(f"job names {len(block_ids)} blocks and {len(chunks)} chunks; its "
+                         f"groups use {b} and {c}")
+    return entries
+
+
+class DirectWorker:
+    """The direct-mode OffloadingWorker's logic over one rank's `KVOffloader` (owned)."""
+
+    def __init__(self, offloader: KVOffloader, prefix: bytes, rank: int, blocks_per_chunk: int,
+                 wait_timeout_s: float = 120.0) -> None:
+        self.offloader, self.prefix, self.rank = offloader, prefix, rank
+        self.bpc = blocks_per_chunk
+        self.wait_timeout_s = wait_timeout_s
+        self.recompute_failed_loads = False
+        self._failed_blocks: set[int] = set()
+        self._ready: list[Finished] = []  # decided at submit time
+        self._skipped_partial = 0
+
+    # ------------------------------------------------------------------ jobs
+    def submit_store(self, job_id: int, block_ids: Sequence[int], group_sizes: Sequence[int],
+                     block_indices: Sequence[int], chunks: Sequence[tuple[bytes, int]]) -> None:
+        try:
+            entries = job_entries(block_ids, group_sizes, block_indices, chunks, self.bpc,
+                                  self.prefix, self.rank)
+            # A value is only ever written whole: a chunk the job covers in part would leave
+            # the rest of the value unspecified for every later reader.
+            whole = [e for e in entries if len(e.block_ids) == self.bpc]
+            self._skipped_partial += len(entries) - len(whole)
+            self.offloader.submit_store(job_id, whole)
+        except Exception:
+            logger.exception("memkv direct: store job %d not started; its chunks stay "
+                             "uncached", job_id)
+            self.answer_unstarted(job_id, is_load=False, block_ids=block_ids)
+
+    def submit_load(self, job_id: int, block_ids: Sequence[int], group_sizes: Sequence[int],
+                    block_indices: Sequence[int], chunks: Sequence[tuple[bytes, int]]) -> None:
+        try:
+            entries = job_entries(block_ids, group_sizes, block_indices, chunks, self.bpc,
+                                  self.prefix, self.rank)
+            self.offloader.submit_load(job_id, entries)
+        except Exception:
+            logger.exception("memkv direct: load job %d not started", job_id)
+            self.answer_unstarted(job_id, is_load=True, block_ids=block_ids)
+
+    def answer_unstarted(self, job_id: int, *, is_load: bool, block_ids: Iterable[int]) -> None:
+        """Answer a job that could not start: a store as done (nothing stored), a load as
+        failed for all of `block_ids`."""
+        if is_load:
+            self._ready.append(self._load_failed(job_id, [int(b) for b in block_ids], 0, 0.0))
+        else:
+            self._ready.append(Finished(job_id, True, 0, 0.0))
+
+    def _load_failed(self, job_id: int, blocks: Iterable[int], nbytes: int,
+                     seconds: float) -> Finished:
+        blocks = sorted(set(blocks))
+        if self.recompute_failed_loads:
+            logger.warning("memkv direct: load job %d failed for %d block(s); vLLM recomputes "
+                           "them", job_id, len(blocks))
+            self._failed_blocks.update(blocks)
+            return Finished(job_id, True, nbytes, seconds)
+        logger.error(
+            "memkv direct: load job %d failed for %d block(s) and vLLM's OffloadingConnector has "
+            "no way to recompute them; reporting the failed transfer (vLLM stops the engine "
+            "rather than generate from KV that was never loaded). Select the recompute "
+            "connector in --kv-transfer-config to recompute instead.", job_id, len(blocks))
+        return Finished(job_id, False, nbytes, seconds)
+
+    def get_finished(self) -> list[Finished]:
+        out, self._ready = self._ready, []
+        for r in self.offloader.poll():
+            if r.is_load and r.failed_block_ids:
+                out.append(self._load_failed(r.job_id, r.failed_block_ids, r.nbytes, r.seconds))
+                continue
+            if not r.is_load and r.failed_block_ids:
+                logger.debug("memkv direct: store job %d: %d block(s) not stored", r.job_id,
+                             len(r.failed_block_ids))
+            out.append(Finished(r.job_id, True, r.nbytes, r.seconds))
+        return out
+
+    def take_failed_block_ids(self) -> set[int]:
+        """Blocks of this worker's KV tensors whose load failed since the last call (for a
+        connector that reports them to vLLM as load errors)."""
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        ids = list(job_ids)
+        self.offloader.prioritize(ids)
+        if not self.offloader.wait(ids, timeout=self.wait_timeout_s):
+            logger.error("memkv direct: jobs %s still touch their blocks after "
+                         "memkv_wait_timeout_s=%g s; giving them up", ids, self.wait_timeout_s)
+            self.offloader.abandon(ids)
+
+    def has_pending_jobs(self) -> bool:
+        return bool(self._ready) or self.offloader.has_pending_jobs()
+
+    def shutdown(self) -> None:
+        self.offloader.close()
