@@ -152,6 +152,10 @@ class RecomputeRoute:
     def _install_guard(self) -> None:
         worker = self.connector_worker
         if worker is not None and worker.worker is not None and self._guard is None:
+            if hasattr(worker.worker, "recompute_failed_loads"):
+                # memkv's worker: report failed loads as successes and name their blocks (with
+                # vLLM's plain connector it must report them failed, which stops the engine).
+                worker.worker.recompute_failed_loads = True
             self._guard = LoadFailureGuard(worker.worker)
             worker.worker = self._guard
 
