@@ -40,8 +40,10 @@ def kv_transfer_config() -> dict:
         "kv_connector_module_path": "fault_connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
+        # Small scratch: the tiny model's values are 128 KiB and a test machine is shared.
         "kv_connector_extra_config": {"spec_name": "MemKVOffloadingSpec",
-                                      "spec_module_path": "memkv_vllm.spec"},
+                                      "spec_module_path": "memkv_vllm.spec",
+                                      "memkv_num_threads": 2, "memkv_scratch_mb_per_thread": 4},
     }
 
 

@@ -3,7 +3,7 @@
 `FaultInjectingConnector` is memkv_vllm.connector's MemKVOffloadingConnector with one addition,
 for tests/e2e/test_direct_faults.py only: when a worker is about to submit load jobs (the
 scheduler has already looked the blocks up, found them and leased them), it looks for the plan
-file named by $MEMKV_TEST_FAULT_PLAN. If there is one, it sends the named signal to the server
+file named by $DIRECT_FAULT_PLAN. If there is one, it sends the named signal to the server
 (SIGKILL: killed between lookup and load; SIGSTOP: frozen), waits until that has taken effect
 (the port refuses connections / the process is stopped: polled, not slept), renames the plan to
 `<plan>.fired` and only then lets the loads go. Every load error the connector reports to vLLM
@@ -26,7 +26,7 @@ from typing import Any
 
 from memkv_vllm.connector import connector_class
 
-PLAN_ENV = "MEMKV_TEST_FAULT_PLAN"
+PLAN_ENV = "DIRECT_FAULT_PLAN"  # not MEMKV_*: the config layer warns about unknown ones
 
 
 def _refuses(port: int) -> bool:

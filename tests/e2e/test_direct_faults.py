@@ -5,7 +5,7 @@ stores their blocks in one memkv server; its answers (greedy tokens and logprobs
 reference. Then, each against A's values:
 - evicted: the test fills the server until the first prompt's values are evicted (memory
   pressure; the server evicts oldest first and A waited for that prompt's stores before the
-  next one): engine B misses and recomputes;
+  next one), then deletes its filler again: engine B misses and recomputes;
 - (control) a prompt whose values are all there: engine B loads its whole prefix;
 - frozen: the server is SIGSTOPped when engine B's worker starts the loads (after the
   scheduler's lookups hit and leased the values); the loads time out;
@@ -55,7 +55,7 @@ def run_engine(model: str, address: str, work: Path, name: str, cases: list[dict
     plan.parent.mkdir()
     env = {**engine_env(),
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "MEMKV_TEST_FAULT_PLAN": str(plan),
+           "DIRECT_FAULT_PLAN": str(plan),
            # Small client timeouts: a frozen server costs seconds, not the default 10 s per op.
            "MEMKV_OP_TIMEOUT_S": "2", "MEMKV_CONNECT_TIMEOUT_S": "0.5"}
     cmd = [sys.executable, str(HERE / "direct_fault_engine.py"), "--model", model,
@@ -85,18 +85,21 @@ def wait_for(cond, what: str, timeout: float = 60) -> None:
 
 
 def evict_oldest(server: MemKVServer, n: int) -> None:
-    """Fill the server with other values until it evicted `n` (its oldest, with one lane)."""
+    """Fill the server with other values until it evicted `n` (its oldest, with one lane), then
+    delete those again: engine B's own stores must not evict anything more."""
     from memkv_vllm.client import MemKVClient
     from memkv_vllm.config import load_config
 
     client = MemKVClient.from_config(load_config({"servers": server.address}))
     try:
         filler = bytes(BLOCK * 1024)  # the size of one of the tiny model's values (128 KiB)
-        i = 0
+        keys: list[bytes] = []
         while server.stats()["evictions"] < n:
-            assert i < 4096, "the server never evicted"
-            client.put([f"filler-{uuid.uuid4().hex}".encode()], [filler])
-            i += 1
+            assert len(keys) < 4096, "the server never evicted"
+            keys.append(f"filler-{uuid.uuid4().hex}".encode())
+            client.put(keys[-1:], [filler])
+        assert server.stats()["evictions"] == n
+        client.delete(keys)
     finally:
         client.close()
 
