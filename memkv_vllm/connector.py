@@ -17,7 +17,8 @@ keeps the destination block ids of the loads that failed, which the connector th
 vLLM's scheduler through `get_block_ids_with_load_errors()`. With
 `kv_load_failure_policy: "recompute"` the scheduler truncates the request at its first failed
 block and recomputes from there; with "fail" (vLLM's default) it finishes the request with an
-error. Either way the engine lives.
+error. Either way the engine lives. On the scheduler side, the connector tells the spec's manager
+(`on_load_errors()`, where it has one) before the failed jobs complete.
 
 The guard works with any spec's worker: a worker that reports a failed load job as
 `success=False` has all of that job's blocks recomputed; a worker that also says which blocks
@@ -170,6 +171,19 @@ class RecomputeRoute:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._guard.take_load_errors() if self._guard is not None else set()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        # Scheduler side. The workers' load errors arrive in the same output as the completion of
+        # their jobs. Before those complete, tell the spec's manager (memkv's answers lookups from
+        # a verdict cache), so the recomputed request's next lookup does not find the same
+        # blocks again and load them again, and again, for as long as the cache holds a HIT.
+        if getattr(connector_output, "invalid_block_ids", None):
+            from memkv_vllm.compat import api
+
+            hook = getattr(api().offloading_manager(self), "on_load_errors", None)
+            if hook is not None:
+                hook()
+        super().update_connector_output(connector_output)  # type: ignore[misc]
 
 
 _class: type | None = None

@@ -325,6 +325,11 @@ class VllmAdapter(ABC):
             missing.append("no KVTransferConfig.kv_load_failure_policy")
         return "; ".join(missing)
 
+    def offloading_manager(self, connector: Any) -> Any:
+        """The OffloadingManager of an OffloadingConnector's scheduler side (None elsewhere)."""
+        scheduler = getattr(connector, "connector_scheduler", None)
+        return None if scheduler is None else scheduler.manager
+
     def load_failure_policy(self, vllm_config: Any) -> str:
         """The engine's kv_load_failure_policy ("recompute" or "fail", vLLM's default)."""
         ktc = getattr(vllm_config, "kv_transfer_config", None)
