@@ -4,15 +4,17 @@ one after another, each with an optional fault, and reports as JSON. Used by
 tests/e2e/test_direct_faults.py (engine A, which fills the cluster, and the engines B).
 
   python direct_fault_engine.py --model DIR --servers HOST:PORT --out result.json
-         --cases '[{"name": "kill", "seed": 3, "fault": "SIGKILL"}, ...]'
+         --cases '[{"name": "kill", "seeds": [3, 4], "fault": "SIGKILL"}, ...]'
          [--server-pid PID] [--wait-items N]
 
 A case's `fault` (SIGKILL or SIGSTOP) is written as a plan for fault_connector.py, which sends it
-to the server (--server-pid) when this engine's worker starts the prompt's loads; after a SIGSTOP
-case the server is continued (SIGCONT). --wait-items: after the first case, wait until the server
-holds N values (its stores are committed) before the next one, so the first prompt's values are
-the cluster's oldest. Result per case: greedy tokens, logprobs, num_cached_tokens, seconds,
-whether its fault fired, the block ids the connector reported to vLLM as load errors.
+to the server (--server-pid) when this engine's worker starts the prompt's loads; its prompts
+(`seeds`) are tried in turn until it fires (a case without a fault runs them all). After a
+SIGSTOP the server is continued (SIGCONT). --wait-items: after the first case, wait until the
+server holds N values (its stores are committed) before the next one, so the first prompt's
+values are the cluster's oldest. Result per case, a list of the prompts run: greedy tokens,
+logprobs, num_cached_tokens, seconds, whether the fault fired, and the block ids the connector
+reported to vLLM as load errors.
 """
 
 from __future__ import annotations
@@ -62,6 +64,36 @@ def wait_items(servers: str, n: int, timeout: float = 60) -> None:
         client.close()
 
 
+def run_case(llm, params, plan: Path, fault: str | None, seed: int, server_pid: int,
+             port: int) -> dict:
+    fired = plan.with_name(plan.name + ".fired")
+    fired.unlink(missing_ok=True)
+    if fault:
+        plan.write_text(json.dumps({"signal": fault, "pid": server_pid, "port": port}))
+    t1 = time.perf_counter()
+    out = llm.generate([prompt_text(PROMPT_TOKENS, seed)], params, use_tqdm=False)[0]
+    seconds = time.perf_counter() - t1
+    if fault == "SIGSTOP" and fired.exists():
+        os.kill(server_pid, signal.SIGCONT)
+    plan.unlink(missing_ok=True)  # a plan that did not fire must not hit a later case
+    # The hook logs each load error it reports to vLLM; a request's errors are reported before
+    # it finishes, so these are this prompt's.
+    errors = plan.with_name("load_errors.jsonl")
+    failed = [json.loads(line)["blocks"] for line in
+              (errors.read_text().splitlines() if errors.exists() else [])]
+    errors.unlink(missing_ok=True)
+    comp = out.outputs[0]
+    return {
+        "seed": seed,
+        "tokens": list(comp.token_ids),
+        "logprobs": [{str(t): lp.logprob for t, lp in d.items()} for d in comp.logprobs],
+        "num_cached_tokens": out.num_cached_tokens,
+        "seconds": seconds,
+        "fired": fired.exists(),
+        "load_errors": failed,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -89,33 +121,15 @@ def main() -> int:
                  use_tqdm=False)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
     for i, case in enumerate(cases):
-        fired = plan.with_name(plan.name + ".fired")
-        fired.unlink(missing_ok=True)
-        if case.get("fault"):
-            plan.write_text(json.dumps({"signal": case["fault"], "pid": args.server_pid,
-                                        "port": port}))
-        t1 = time.perf_counter()
-        out = llm.generate([prompt_text(PROMPT_TOKENS, case["seed"])], params,
-                           use_tqdm=False)[0]
-        seconds = time.perf_counter() - t1
-        if case.get("fault") == "SIGSTOP":
-            os.kill(args.server_pid, signal.SIGCONT)
-        plan.unlink(missing_ok=True)  # a plan that did not fire must not hit a later case
-        # The hook logs each load error it reports to vLLM; a request's errors are reported
-        # before it finishes, so these are this case's.
-        errors = plan.with_name("load_errors.jsonl")
-        failed = [json.loads(line)["blocks"] for line in
-                  (errors.read_text().splitlines() if errors.exists() else [])]
-        errors.unlink(missing_ok=True)
-        comp = out.outputs[0]
-        result["cases"][case["name"]] = {
-            "tokens": list(comp.token_ids),
-            "logprobs": [{str(t): lp.logprob for t, lp in d.items()} for d in comp.logprobs],
-            "num_cached_tokens": out.num_cached_tokens,
-            "seconds": seconds,
-            "fired": fired.exists(),
-            "load_errors": failed,
-        }
+        # A faulted case may name several prompts: they are tried in turn until the fault fires
+        # (after a freeze, this engine's client leaves the server alone for its backoff, up to
+        # 5 s, and its lookups miss meanwhile: nothing loads, so nothing can fail a load).
+        attempts = result["cases"][case["name"]] = []
+        for seed in case["seeds"]:
+            attempts.append(run_case(llm, params, plan, case.get("fault"), seed, args.server_pid,
+                                     port))
+            if attempts[-1]["fired"]:
+                break
         if i == 0 and args.wait_items:
             wait_items(args.servers, args.wait_items)
     Path(args.out).write_text(json.dumps(result, indent=1))
