@@ -216,10 +216,9 @@ class BlockStore:
         for k in keys:
             self._probing[k] = probe
 
-    def mark_failed(self, keys: Sequence[bytes]) -> None:
-        """Loads of `keys` failed somewhere this store did not see (another process's store, as
-        in direct mode, where the workers load and the scheduler looks up): answer MISS for
-        them for `failed_load_miss_ttl_s`, as after a failed load of its own."""
+    def mark_missing(self, keys: Sequence[bytes]) -> None:
+        """Answer MISS for `keys` (for `failed_load_miss_ttl_s`): the owner learned that the
+        cluster lost them, e.g. from a lease renewal that did not find them."""
         self._mark_missing(keys)
 
     def _mark_missing(self, keys: Sequence[bytes]) -> None:

@@ -8,7 +8,8 @@
 #      nothing is started by hand; tests that need vLLM skip themselves there),
 #   5. for each vLLM venv made by scripts/setup-vllm.sh (.venv-vllm, .venv-vllm-0.25) that exists:
 #      installs memkv-vllm into it and runs tests/tier, tests/e2e (real vLLM), the torch
-#      round trips (tests/test_client_torch.py) and the offloader core (tests/offload) there.
+#      round trips (tests/test_client_torch.py), the offloader core (tests/offload) and direct
+#      mode (tests/direct: its worker and spec tests need torch and vLLM) there.
 #
 # Options: --no-rust (skip step 2), --no-e2e (skip step 5), --setup (only step 1),
 #          anything after `--` goes to every pytest call (e.g. -- -k config -x).
@@ -114,9 +115,9 @@ step "pytest tests/ (.venv)" "$VENV/bin/python" -m pytest tests -ra "${PYTEST_AR
 # shellcheck disable=SC2329  # invoked through step
 e2e_in() {  # e2e_in <venv>
   local venv="$1" dirs=() d
-  # The torch round trips and the direct-mode offloader core need torch, which only the vLLM
-  # venvs have.
-  for d in tests/tier tests/e2e tests/test_client_torch.py tests/offload; do [[ -e $d ]] && dirs+=("$d"); done
+  # The torch round trips, the direct-mode offloader core and direct mode's worker and spec need
+  # torch, which only the vLLM venvs have.
+  for d in tests/tier tests/e2e tests/test_client_torch.py tests/offload tests/direct; do [[ -e $d ]] && dirs+=("$d"); done
   ((${#dirs[@]})) || { echo "no tests/tier or tests/e2e yet"; return 5; }
   # maturin develop installs editable: the extension lives in the source tree (built above), so
   # this only refreshes the metadata (entry point for vLLM's plugin loader) in the vLLM venv.

@@ -5,7 +5,8 @@ it is a hit only when every rank's value is. Lookups go through a `BlockStore`: 
 probed in one batch per scheduler step (`on_schedule_end`), each probe leases the hits it finds
 on the server, and verdicts are cached (`memkv_lookup_hit_ttl` / `memkv_lookup_miss_ttl`).
 `prepare_load` leases the chunk's values again, so a hit answered from the verdict cache (older
-than its lease) is still pinned until the worker's GET, which releases the lease.
+than its lease) is still pinned until the worker's GET, which releases the lease; a value that
+renewal does not find turns the chunk into a miss for later lookups.
 
 Stores: the manager only decides what to store (not what is present or in flight) and remembers
 what its workers stored. A completed store does not make lookups answer HIT by itself: a rank's
@@ -25,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from memkv_vllm.direct_keys import key_under
-from memkv_vllm.interface import Lookup
+from memkv_vllm.interface import Lookup, Status
 from memkv_vllm.store import BlockStore
 
 logger = logging.getLogger("vllm.memkv_direct")
@@ -74,7 +75,7 @@ class DirectManager:
         self._stored = _Expiring(clock)  # chunks this engine stored recently
         self._storing: collections.Counter[bytes] = collections.Counter()  # chunk -> jobs
         self._loading: collections.Counter[bytes] = collections.Counter()
-        self._lease_ops: list[Any] = []
+        self._lease_ops: list[tuple[Any, list[bytes]]] = []  # (EXISTS op, its keys)
         self._asked: dict[str, list[bytes]] = {}  # request id -> remote keys waiting for a probe
         self.stored_events: list[list[bytes]] = []  # chunks stored since take_stored()
 
@@ -105,7 +106,26 @@ class DirectManager:
             self.store.cancel_lookups([k for rid in preempted for k in asked[rid]
                                        if k not in keep])
         self.store.flush_lookups()
-        self._lease_ops = [op for op in self._lease_ops if not op.done()]
+        self._harvest_leases()
+
+    def _harvest_leases(self) -> None:
+        """A renewal that did not find a value means its load will fail: later lookups of that
+        chunk should miss instead of leading to the same failed load."""
+        open_ops = []
+        for op, rkeys in self._lease_ops:
+            if not op.done():
+                open_ops.append((op, rkeys))
+                continue
+            try:
+                codes = op.wait(0)
+            except Exception as e:
+                logger.warning("memkv direct: lease renewal failed: %s", e)
+                codes = None
+            lost = [k for k, c in zip(rkeys, codes or b"", strict=False)
+                    if not Status.is_ok(c)] if codes is not None else list(rkeys)
+            if lost:
+                self.store.mark_missing(lost)
+        self._lease_ops = open_ops
 
     # ------------------------------------------------------------------ loads
     def prepare_load(self, keys: Sequence[bytes]) -> list[tuple[bytes, int]]:
@@ -116,7 +136,8 @@ class DirectManager:
         if self._lease_client is not None and self._lease_ms > 0 and keys:
             rkeys = [rk for k in keys for rk in self.remote_keys(k)]
             try:
-                self._lease_ops.append(self._lease_client.submit_exists(rkeys, self._lease_ms))
+                self._lease_ops.append(
+                    (self._lease_client.submit_exists(rkeys, self._lease_ms), rkeys))
             except Exception as e:  # the load may still succeed: the lookup's lease may hold
                 logger.warning("memkv direct: renewing the leases of %d values failed: %s",
                                len(rkeys), e)
@@ -133,7 +154,7 @@ class DirectManager:
         errors). Its chunks are among those loading now: they become misses for the store's
         failed-load TTL, so the request's next lookup does not hit the cached verdict and load
         (and fail) again. Other chunks loading right now are probed again, nothing worse."""
-        self.store.mark_failed([rk for k in self._loading for rk in self.remote_keys(k)])
+        self.store.mark_missing([rk for k in self._loading for rk in self.remote_keys(k)])
 
     # ------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[bytes]) -> list[bytes]:

@@ -59,3 +59,14 @@ def complete(base: str, prompt: str) -> dict:
     req = urllib.request.Request(base + "/v1/completions", body,
                                  {"Content-Type": "application/json"})
     return json.load(urllib.request.urlopen(req, timeout=120))["usage"]
+
+
+def run_engine_script(script: Path, args: list[str], out: Path, timeout: int = 480) -> dict:
+    """Run `script` (one vLLM engine process that writes its result as JSON to `out`, e.g.
+    tests/e2e/direct_engine.py) and return that result; its output is kept in out.log."""
+    cmd = [sys.executable, str(script), *args, "--out", str(out)]
+    p = subprocess.run(cmd, env=engine_env(), capture_output=True, text=True, timeout=timeout)
+    log = out.with_suffix(".log")
+    log.write_text(p.stdout + p.stderr)
+    assert p.returncode == 0, f"engine failed (rc {p.returncode}), log: {log}\n{p.stderr[-3000:]}"
+    return json.loads(out.read_text())

