@@ -58,7 +58,7 @@ class LoadFailureGuard:
         # when vLLM's scheduler is sure to still see the request waiting for that load.
         self._early: set[int] = set()
         self._errors: set[int] = set()  # for the next get_block_ids_with_load_errors()
-        self.failed_loads = 0  # jobs, since start (the startup/shutdown logs and tests read it)
+        self.failed_loads = 0  # jobs, since start (logged at shutdown)
         self.failed_stores = 0
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
@@ -109,6 +109,9 @@ class LoadFailureGuard:
         self._inner.wait(job_ids)
 
     def shutdown(self) -> None:
+        if self.failed_loads or self.failed_stores:
+            logger.info("memkv: %d failed load jobs handed to vLLM's kv_load_failure_policy and "
+                        "%d failed store jobs since start", self.failed_loads, self.failed_stores)
         self._inner.shutdown()
 
 
