@@ -45,6 +45,7 @@ from memkv_procs import MemKVServer  # noqa: E402
 from vllm_procs import engine_env  # noqa: E402
 
 pytestmark = pytest.mark.e2e
+SHM = Path("/dev/shm")
 BLOCK = 128  # vLLM's block size on the CPU platform
 PROMPT_BLOCKS = 4  # direct_fault_engine.py's 600-token prompts: 4 full blocks, one value each
 PREFIX_TOKENS = PROMPT_BLOCKS * BLOCK
@@ -69,6 +70,7 @@ def run_engine(model: str, address: str, work: Path, name: str, cases: list[dict
            "--servers", address, "--out", str(out), "--cases", json.dumps(cases),
            "--server-pid", str(server_pid), "--wait-items", str(wait_items)]
     log = work / f"{name}.log"
+    queues_before = set(SHM.glob("psm_*")) | set(SHM.glob("sem.mp-*"))
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
                              start_new_session=True)
@@ -80,8 +82,40 @@ def run_engine(model: str, address: str, work: Path, name: str, cases: list[dict
             except ProcessLookupError:
                 pass
             p.wait()
+            wait_for(lambda: not group_alive(p.pid), "engine processes outlived SIGKILL")
+            # vLLM's executor queues: its resource tracker removes them on a normal exit; after a
+            # kill nobody does. Those this engine made and nobody maps any more are removed.
+            mapped = shm_mapped()
+            for q in (set(SHM.glob("psm_*")) | set(SHM.glob("sem.mp-*"))) - queues_before:
+                if str(q) not in mapped:
+                    q.unlink(missing_ok=True)
     assert rc == 0, f"engine {name} failed (rc {rc}), log {log}:\n{log.read_text()[-4000:]}"
     return json.loads(out.read_text())
+
+
+def group_alive(pgid: int) -> bool:
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getpgid(int(d.name)) == pgid:
+                    return True
+            except ProcessLookupError:
+                pass
+    return False
+
+
+def shm_mapped() -> set[str]:
+    """The /dev/shm files some live process maps."""
+    found: set[str] = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                maps = (d / "maps").read_text()
+            except OSError:
+                continue
+            found.update(line.split(None, 5)[5] for line in maps.splitlines()
+                         if line.count(" ") >= 5 and f" {SHM}/" in line)
+    return found
 
 
 def wait_for(cond, what: str, timeout: float = 60) -> None:
