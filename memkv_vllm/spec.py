@@ -72,6 +72,9 @@ class MemKVOffloadingManager(_BASES.manager):  # type: ignore[misc,name-defined]
             logger.exception("memkv direct: lookup failed; answering MISS")
             return _API.lookup_result(Lookup.MISS)
 
+    def get_load_source(self, key: bytes, req_context: Any) -> Any:
+        return _API.direct_load_source()  # vLLM 0.32+ only
+
     def prepare_load(self, keys: Any, req_context: Any) -> Any:
         return MemKVLoadStoreSpec(self.logic.prepare_load([bytes(k) for k in keys]))
 
@@ -246,13 +249,15 @@ class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[misc,name-defined]
             model=f.model, revision=f.revision, dtype=f.dtype, tp_size=f.world_size,
             tokens_per_chunk=f.tokens_per_chunk, kv_layout=f.kv_layout, api=_API.name,
             value_bytes=kv.value_bytes, ref_bytes=[[n for _, n in g] for g in groups],
-            hash_algo=_API._hash_algo(), spec_prefix=o.spec_prefix)
+            hash_algo=_API.hash_algo(), spec_prefix=o.spec_prefix)
         store, client, cfg = connect(o.client_overrides, n_read_threads=o.load_threads,
                                      n_write_threads=o.store_threads)
         try:
             off = KVOffloader(kv, store, medium=o.scratch_medium, scratch_bytes=o.scratch_bytes)
         except Exception:
             store.close()
+            if client is not None:
+                client.close()
             raise
         self._board().publish(f.rank, layout.prefix)
         logger.info(

@@ -233,6 +233,11 @@ class VllmAdapter(ABC):
             return False, "prefix_caching_hash_algo=xxhash seeds block hashes randomly"
         return True, ""
 
+    def hash_algo(self) -> str | None:
+        """The engine's prefix_caching_hash_algo, where the vLLM config in force tells it
+        (worker start-up runs under it); None where it does not."""
+        return self._hash_algo()
+
     def _hash_algo(self) -> str | None:
         try:
             from vllm.config import get_current_vllm_config
@@ -442,6 +447,14 @@ class VllmAdapter(ABC):
         groups = [[(int(r.tensor_idx), int(r.page_size_bytes)) for r in g]
                   for g in kv_caches.group_data_refs]
         return tensors, groups
+
+    def direct_load_source(self) -> Any:
+        """What direct mode's hits are attributed to (vLLM 0.32+ asks the manager; older vLLM
+        never calls this): P2P, as for the tier (see `declare_tier_class`), because the blocks
+        were computed by other engines and come over the network."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        return CacheHitSource.P2P
 
     @abstractmethod
     def direct_facts(self, spec: Any) -> DirectFacts:

@@ -1,7 +1,9 @@
 """Direct mode without vLLM: what `memkv_vllm.spec` (the vLLM-facing shell) delegates to.
 
 * `options` — the `memkv_*` keys of kv_connector_extra_config, parsed and checked at startup.
+* `namespace` — the key layout a worker derives from its model, weights and KV geometry.
 * `prefixes` — workers publish their key prefix at startup, the scheduler adopts it.
+* `cluster` — the client and `BlockStore` of one process.
 * `manager` — scheduler side: lookups (with server leases), loads and stores by chunk key.
 * `worker` — worker side: jobs over the engine's KV tensors through `KVOffloader`.
 

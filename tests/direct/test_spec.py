@@ -160,3 +160,35 @@ def test_metrics_are_declared_and_the_load_store_spec_is_concrete():
     assert "vllm:kv_offload_memkv_lookups" in defs
     s = MemKVLoadStoreSpec([(b"h", 0)])  # abstract medium() on 0.25 would refuse this
     assert s.medium() == "memkv" and s.chunks == ((b"h", 0),)
+
+
+def test_hits_are_attributed_to_peers_where_vllm_asks():
+    from memkv_vllm.spec import MemKVOffloadingManager
+
+    if "get_load_source" not in vars(kvb.OffloadingManager):
+        pytest.skip("this vLLM does not ask a manager where its hits came from (0.32+)")
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    source = MemKVOffloadingManager.get_load_source(None, b"k", kvb.ReqContext(req_id="r"))
+    assert CacheHitSource(source) is CacheHitSource.P2P
+
+
+def test_stored_chunks_become_kv_events_when_the_engine_publishes_them():
+    from memkv_vllm.direct.manager import DirectManager
+    from memkv_vllm.spec import MemKVOffloadingManager
+    from memkv_vllm.store import BlockStore
+
+    def manager(events: bool) -> MemKVOffloadingManager:
+        logic = DirectManager(BlockStore(None), b"p", 1, api().split_offload_key)
+        return MemKVOffloadingManager(logic, kv_events=events)
+
+    ks, ctx = keys(2), kvb.ReqContext(req_id="r")
+    for events in (True, False):
+        m = manager(events)
+        assert m.prepare_store(ks, ctx).keys_to_store == ks
+        m.complete_store(ks, ctx)
+        out = list(m.take_events())
+        assert [list(e.keys) for e in out] == ([ks] if events else [])
+        assert all(e.removed is False for e in out)
+        assert list(m.take_events()) == []  # each event once
+        m.shutdown()

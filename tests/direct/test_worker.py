@@ -23,19 +23,24 @@ PREFIX = b"mkD1" + bytes(16)
 BPC = 2  # GPU blocks per chunk
 
 
-def kv_cache(num_blocks: int = 16, seed: int = 0) -> PagedKV:
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+def kv_cache(num_blocks: int = 16, seed: int = 0, device: str = "cpu") -> PagedKV:
     """Two layers of 64-byte pages; group 0 is both layers, group 1 half of layer 1 (padding)."""
     g = torch.Generator().manual_seed(seed)
-    ts = [torch.randint(0, 255, (num_blocks, 64), dtype=torch.uint8, generator=g)
+    ts = [torch.randint(0, 255, (num_blocks, 64), dtype=torch.uint8, generator=g).to(device)
           for _ in range(2)]
     return PagedKV(ts, [[KVRef(0, 64), KVRef(1, 64)], [KVRef(1, 32)]], blocks_per_value=BPC)
 
 
-def worker(address: str, kv: PagedKV, op_timeout_s: float = 10.0, **kw: object) -> DirectWorker:
+def worker(address: str, kv: PagedKV, op_timeout_s: float = 10.0, slots: int = 8,
+           **kw: object) -> DirectWorker:
     client = MemKVClient.from_config(load_config({"servers": [address],
                                                   "op_timeout_s": op_timeout_s}))
     store = BlockStore(client.codes, StoreOptions(n_read_threads=2, n_write_threads=2))
-    off = KVOffloader(kv, store, medium="host", scratch_bytes=8 * 4096)
+    off = KVOffloader(kv, store, medium="host", scratch_bytes=slots * 4096)
     return DirectWorker(off, PREFIX, rank=1, blocks_per_chunk=BPC, **kw)  # type: ignore[arg-type]
 
 
@@ -48,7 +53,7 @@ def finish(w: DirectWorker, job_id: int, timeout: float = 30.0) -> Finished:
 
 
 def block(kv: PagedKV, t: int, b: int) -> bytes:
-    return kv.tensors[t][b].numpy().tobytes()
+    return kv.tensors[t][b].cpu().numpy().tobytes()
 
 
 def test_job_geometry_follows_vllms_mapping() -> None:
@@ -65,8 +70,10 @@ def test_job_geometry_follows_vllms_mapping() -> None:
         job_entries([10], [2], [0], chunks[:1], BPC, PREFIX, 1)  # fewer blocks than named
 
 
-def test_store_then_load_elsewhere_is_byte_exact_including_a_partial_first_chunk(memkv_server):
-    src, dst = kv_cache(seed=1), kv_cache(seed=2)
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_then_load_elsewhere_is_byte_exact_including_a_partial_first_chunk(memkv_server,
+                                                                                 device):
+    src, dst = kv_cache(seed=1, device=device), kv_cache(seed=2, device=device)
     ws, wd = worker(memkv_server.address, src), worker(memkv_server.address, dst)
     chunks = [(b"a", 0), (b"b", 0), (b"c", 1)]
     ws.submit_store(1, [2, 3, 4, 5, 6, 7], [4, 2], [0, 0], chunks)
@@ -95,8 +102,9 @@ def test_a_chunk_covered_in_part_is_never_stored(memkv_server):
     w.shutdown()
 
 
-def test_a_failed_load_writes_nothing_and_is_reported_as_the_route_allows(memkv_server):
-    kv = kv_cache()
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_failed_load_writes_nothing_and_is_reported_as_the_route_allows(memkv_server, device):
+    kv = kv_cache(device=device)
     w = worker(memkv_server.address, kv)
     before = [block(kv, t, b) for t in (0, 1) for b in range(16)]
     w.submit_load(1, [4, 5], [2], [0], [(b"absent", 0)])
@@ -143,4 +151,21 @@ def test_wait_gives_up_a_load_stuck_on_a_frozen_server_and_it_never_writes(memkv
     f = finish(w, 2)  # the value may still arrive: it must not be written any more
     assert f.success and w.take_failed_block_ids() == {8, 9}
     assert [block(kv, t, b) for t in (0, 1) for b in (8, 9)] == before
+    w.shutdown()
+
+
+def test_a_job_named_in_wait_jumps_the_queue(memkv_server):
+    src = kv_cache(seed=5)
+    ws = worker(memkv_server.address, src)
+    chunks = [(b"q%d" % i, 0) for i in range(8)]
+    ws.submit_store(1, list(range(16)), [16], [0], chunks)
+    assert finish(ws, 1).success
+    ws.shutdown()
+    w = worker(memkv_server.address, kv_cache(seed=6), slots=1)  # one value at a time
+    w.submit_load(1, list(range(16)), [16], [0], chunks)  # eight values, one after another
+    w.submit_load(2, [0, 1], [2], [0], chunks[:1])  # queued behind all of job 1
+    w.wait({2})
+    done = w.get_finished()
+    assert [f.job_id for f in done] == [2]  # job 1 still has values waiting for the slot
+    assert w.offloader.drain(30) and [f.job_id for f in w.get_finished()] == [1]
     w.shutdown()
