@@ -84,6 +84,14 @@ class MemKVOffloadingManager(_BASES.manager):  # type: ignore[misc,name-defined]
     def complete_load(self, keys: Any, req_context: Any = None) -> None:
         self.logic.complete_load([bytes(k) for k in keys])
 
+    def on_load_errors(self) -> None:
+        """Called by memkv's recompute connector (memkv_vllm.connector) when workers reported
+        failed loads, before it completes their jobs."""
+        try:
+            self.logic.on_load_errors()
+        except Exception:
+            logger.exception("memkv direct: forgetting the failed loads' lookups failed")
+
     def prepare_store(self, keys: Any, req_context: Any = None) -> Any:
         todo = self.logic.prepare_store([bytes(k) for k in keys])
         return _API.prepare_store_output(

@@ -306,6 +306,44 @@ class VllmAdapter(ABC):
                 changed = True
         return stats if changed else None
 
+    # ------------------------------------------------------------------ recompute route
+    def offloading_connector_class(self) -> type:
+        """vLLM's OffloadingConnector (the class memkv's recompute connector extends)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+            OffloadingConnector,
+        )
+
+        return OffloadingConnector
+
+    def load_error_hook_missing(self) -> str:
+        """Why this vLLM cannot recompute the blocks of a failed load, or "" when it can: the
+        connector hook `get_block_ids_with_load_errors` (its result reaches the scheduler as
+        `invalid_block_ids`) and the `kv_load_failure_policy` setting that decides what the
+        scheduler does with them. Both exist in 0.25-0.33; probed, not assumed."""
+        from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+        missing = []
+        if not hasattr(KVConnectorBase_V1, "get_block_ids_with_load_errors"):
+            missing.append("no KVConnectorBase_V1.get_block_ids_with_load_errors")
+        if "kv_load_failure_policy" not in {f.name for f in dataclasses.fields(KVTransferConfig)}:
+            missing.append("no KVTransferConfig.kv_load_failure_policy")
+        return "; ".join(missing)
+
+    def offloading_manager(self, connector: Any) -> Any:
+        """The OffloadingManager of an OffloadingConnector's scheduler side (None elsewhere)."""
+        scheduler = getattr(connector, "connector_scheduler", None)
+        return None if scheduler is None else scheduler.manager
+
+    def load_failure_policy(self, vllm_config: Any) -> str:
+        """The engine's kv_load_failure_policy ("recompute" or "fail", vLLM's default)."""
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        return str(getattr(ktc, "kv_load_failure_policy", "fail"))
+
+    def kv_cache_group_count(self, kv_cache_config: Any) -> int:
+        """How many KV-cache groups the engine's KV cache has (1 for a plain decoder)."""
+        return len(kv_cache_config.kv_cache_groups)
+
     # ------------------------------------------------------------------ CPU platform worker
     def is_cpu_platform(self) -> bool:
         from vllm.platforms import current_platform

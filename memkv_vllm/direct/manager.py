@@ -149,6 +149,13 @@ class DirectManager:
             if self._loading[k] <= 0:
                 del self._loading[k]
 
+    def on_load_errors(self) -> None:
+        """Some load failed on a worker (the recompute connector saw its blocks come back as load
+        errors). Its chunks are among those loading now: they become misses for the store's
+        failed-load TTL, so the request's next lookup does not hit the cached verdict and load
+        (and fail) again. Other chunks loading right now are probed again, nothing worse."""
+        self.store.mark_missing([rk for k in self._loading for rk in self.remote_keys(k)])
+
     # ------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[bytes]) -> list[bytes]:
         """The chunks of `keys` to store, in input order: not stored by this engine recently,
