@@ -2,6 +2,7 @@
 //! console script (which calls `run` through the extension module).
 
 pub mod bench;
+pub mod net;
 pub mod stats_table;
 
 use std::sync::atomic::Ordering;
@@ -32,6 +33,8 @@ enum Cmd {
     Ping(Conn),
     /// Measure put/get throughput against a server next to loopback-TCP and memcpy ceilings.
     Bench(bench::BenchArgs),
+    /// Inspect and check this host's RDMA setup: PCIe topology, NICs, libfabric.
+    Net(net::NetArgs),
 }
 
 /// `memkv serve`. The flags a deployment sets per host also come from MEMKV_* variables (a flag
@@ -174,6 +177,7 @@ pub fn run(args: Vec<String>) -> i32 {
         Cmd::Stats(a) => stats(a),
         Cmd::Ping(c) => ping(c),
         Cmd::Bench(b) => bench::run(b),
+        Cmd::Net(n) => net::run(n),
     };
     match r {
         Ok(code) => code,
