@@ -75,3 +75,49 @@ def build(name: str, root: Path) -> Path:
             link(d / "device", parent)
         link(root / "class" / "net" / nd, d)
     return root
+
+
+def record(sysfs: Path = Path("/sys")) -> dict:
+    """The description of a host's tree, as ``build`` reads it (run on a host with
+    ``python tests/sysfs_tree.py > tests/data/sysfs/<name>.json`` to record it)."""
+    devices = (sysfs / "devices").resolve()
+
+    def below(p: Path) -> str:
+        return str(p.resolve().relative_to(devices))
+
+    def text(p: Path) -> str:
+        return p.read_text().strip()
+
+    pci = {}
+    for fn in sorted((sysfs / "bus" / "pci" / "devices").iterdir()):
+        pci[below(fn)] = {"vendor": text(fn / "vendor"), "class": text(fn / "class"),
+                          "numa": int(text(fn / "numa_node")) if (fn / "numa_node").exists()
+                          else -1}
+    ib_dir = sysfs / "class" / "infiniband"
+    infiniband = {}
+    for d in sorted(ib_dir.iterdir()) if ib_dir.exists() else []:
+        ports = sorted((d / "ports").iterdir()) if (d / "ports").exists() else []
+        net = d / "device" / "net"
+        infiniband[d.name] = {
+            "device": (d / "device").resolve().name,
+            "ports": {p.name: {"state": text(p / "state"), "link_layer": text(p / "link_layer")}
+                      for p in ports},
+            "netdevs": sorted(n.name for n in net.iterdir()) if net.exists() else [],
+        }
+    ib_netdevs = {n for d in infiniband.values() for n in d["netdevs"]}
+    net = {}
+    for d in sorted((sysfs / "class" / "net").iterdir()):
+        if d.name in ib_netdevs:
+            continue
+        if not (d / "device").exists():
+            net[d.name] = None
+            continue
+        path = below(d / "device").split("/")
+        # The PCI function, then what hangs below it (virtio2) if anything.
+        i = max(k for k, p in enumerate(path) if len(p) >= 12 and p[-2] == ".")
+        net[d.name] = "/".join(path[i:])
+    return {"about": "recorded", "pci": pci, "infiniband": infiniband, "net": net}
+
+
+if __name__ == "__main__":
+    print(json.dumps(record(), indent=1))
