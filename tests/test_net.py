@@ -165,3 +165,9 @@ def test_topo_and_selftest_run_against_this_hosts_sysfs() -> None:
     assert out[0].startswith("ok    topology: ")
     assert out[1].startswith("ok    tcp round trip: put and got back 3 values")
     assert out[-1].startswith("2 passed, 0 failed, ")
+
+
+def test_a_recorded_gpu_host_gives_what_memkv_net_topo_printed_there(tree) -> None:
+    want = json.loads((sysfs_tree.DATA / "h200_vm.topo.json").read_text())
+    assert topo(tree("h200_vm")) == want
+    assert want["pairing"][0]["nic"] == "eth0" and not want["pairing"][0]["gpu_scratch"]
