@@ -150,6 +150,21 @@ def test_gpu_scratch_verdict_needs_a_switch_local_rdma_nic_that_reaches_gpu_memo
         _native.gpu_scratch_verdict("0000:18:00.0", ["mlx5_9"], pairs)
 
 
+def test_nic_for_gpu_is_the_gpus_entry_in_the_pairing(tree) -> None:
+    pairs, more, bare = tree("switch_pairs"), tree("more_gpus"), tree("no_nic")
+    assert _native.nic_for_gpu("0000:9a:00.0", [], pairs) == ("mlx5_0", "same PCIe switch")
+    assert _native.nic_for_gpu("00000000:BA:00.0", [], pairs) == ("mlx5_0", "same NUMA node")
+    assert _native.nic_for_gpu("0000:84:00.0", [], more) == ("mlx5_2", "same PCIe switch")
+    assert _native.nic_for_gpu("0000:84:00.0", ["mlx5_0"], more) == ("mlx5_0",
+                                                                       "across NUMA nodes")
+    assert _native.nic_for_gpu("0000:03:00.0", sysfs=bare) == ("eth0", "same root complex")
+    assert _native.nic_for_gpu("0000:19:00.0", [], pairs) is None  # a NIC, not a GPU
+    with pytest.raises(ValueError, match="names mlx5_9"):
+        _native.nic_for_gpu("0000:9a:00.0", ["mlx5_9"], pairs)
+    with pytest.raises(ValueError, match="cannot read sysfs"):
+        _native.nic_for_gpu("0000:9a:00.0", [], pairs + "/missing")
+
+
 def test_the_topology_of_an_unreadable_root_is_an_error(tmp_path: Path) -> None:
     r = memkv("net", "topo", "--sysfs", str(tmp_path / "absent"))
     assert r.returncode == 1

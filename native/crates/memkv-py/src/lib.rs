@@ -440,6 +440,24 @@ fn gpu_scratch_verdict(
     v.map(|v| (v.gpu, v.reason)).map_err(PyValueError::new_err)
 }
 
+/// The NIC the rank of the GPU at PCI address `gpu` uses (nearest by PCIe topology among the
+/// NICs narrowed to `rdma_devices`, empty = all) as `(name, proximity)`, e.g.
+/// `("mlx5_2", "same PCIe switch")`; None when sysfs lists no GPU there or no NIC. ValueError for
+/// a malformed address, an unknown device name or an unreadable sysfs.
+#[pyfunction]
+#[pyo3(signature = (gpu, rdma_devices=Vec::new(), sysfs="/sys"))]
+fn nic_for_gpu(
+    py: Python<'_>,
+    gpu: &str,
+    rdma_devices: Vec<String>,
+    sysfs: &str,
+) -> PyResult<Option<(String, &'static str)>> {
+    py.detach(|| {
+        no_panic(|| memkv_cli::net::nic_for_gpu(std::path::Path::new(sysfs), gpu, &rdma_devices))
+    })?
+    .map_err(PyValueError::new_err)
+}
+
 /// (name, number) of every client outcome, so the Python enum can be checked against them.
 #[pyfunction]
 fn statuses() -> Vec<(&'static str, u8)> {
@@ -459,6 +477,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(statuses, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_scratch_verdict, m)?)?;
+    m.add_function(wrap_pyfunction!(nic_for_gpu, m)?)?;
     m.add("MAX_KEY_LEN", memkv_proto::MAX_KEY_LEN)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

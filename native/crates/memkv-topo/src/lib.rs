@@ -187,6 +187,13 @@ impl Topology {
     pub fn gpu(&self, addr: PciAddr) -> Option<&Gpu> {
         self.gpus.iter().find(|g| g.place.addr == addr)
     }
+
+    /// The NIC the GPU at `addr` uses by `pairing`, and how near it is; None when sysfs lists
+    /// no GPU there or no NIC can be paired.
+    pub fn nic_for_gpu(&self, addr: PciAddr) -> Option<(&Nic, Proximity)> {
+        let pair = self.pairing()[self.gpu(addr)?.index];
+        Some((&self.nics[pair.nic?], pair.proximity?))
+    }
 }
 
 /// Whether direct mode's `memkv_scratch_medium: auto` should put scratch in a GPU's memory, and
@@ -207,14 +214,12 @@ pub fn gpu_scratch(
     device_memory: impl FnOnce(&Nic) -> Result<String, String>,
 ) -> ScratchVerdict {
     let no = |reason: String| ScratchVerdict { gpu: false, reason };
-    let Some(g) = topo.gpu(gpu) else {
+    if topo.gpu(gpu).is_none() {
         return no(format!("sysfs lists no GPU at {gpu}"));
-    };
-    let pair = topo.pairing()[g.index];
-    let (Some(i), Some(prox)) = (pair.nic, pair.proximity) else {
+    }
+    let Some((nic, prox)) = topo.nic_for_gpu(gpu) else {
         return no(format!("GPU {gpu} has no NIC to pair with"));
     };
-    let nic = &topo.nics[i];
     if nic.kind != NicKind::Rdma {
         return no(format!(
             "GPU {gpu}'s NIC {} is a plain network device (tcp provider), which reads host memory only",
@@ -327,6 +332,15 @@ mod tests {
                 Some(Proximity::Far)
             ]
         );
+    }
+
+    #[test]
+    fn a_gpus_nic_is_its_entry_in_the_pairing() {
+        let t = host();
+        let at = |a: &str| a.parse::<PciAddr>().unwrap();
+        let (n, p) = t.nic_for_gpu(at("0000:04:00.0")).unwrap();
+        assert_eq!((n.name.as_str(), p), ("mlx5_1", Proximity::Switch));
+        assert!(t.nic_for_gpu(at("0000:05:00.0")).is_none());
     }
 
     #[test]

@@ -71,6 +71,24 @@ fn device_memory(_nic: &Nic) -> Result<String, String> {
     Err("this build of memkv has no RDMA transport: its transports read host memory only".into())
 }
 
+/// The NIC (name, and how near: "same PCIe switch", ...) the rank of the GPU at PCI address
+/// `gpu` uses, among the NICs narrowed to `rdma_devices` (empty = all); None when sysfs lists no
+/// GPU there or no NIC. A malformed address, an unknown device name or an unreadable sysfs is
+/// an error.
+pub fn nic_for_gpu(
+    sysfs: &Path,
+    gpu: &str,
+    rdma_devices: &[String],
+) -> Result<Option<(String, &'static str)>, String> {
+    let addr: PciAddr = gpu.parse()?;
+    let topo = Topology::read(sysfs)
+        .and_then(|t| t.narrow(rdma_devices))
+        .map_err(|e| e.to_string())?;
+    Ok(topo
+        .nic_for_gpu(addr)
+        .map(|(n, p)| (n.name.clone(), p.describe())))
+}
+
 /// The answer to direct mode's `memkv_scratch_medium: auto` for the GPU at PCI address `gpu`,
 /// with the NICs narrowed to `rdma_devices` (empty = all). A malformed address or an unknown
 /// device name is an error; a host whose sysfs cannot be read gets a "no" with the reason.
