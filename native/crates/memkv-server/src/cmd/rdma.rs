@@ -40,8 +40,23 @@ impl<T: Transport> Conn<'_, T> {
                 sf.fab.provider
             )),
             Some(sf) => Endpoint::open(&sf.fab)
-                .and_then(|mut ep| ep.insert_peer(addr).map(|peer| RdmaPeer { ep, peer }))
-                .map_err(|e| format!("cannot reach the client's endpoint: {e}")),
+                .map_err(|e| format!("cannot open an endpoint: {e}"))
+                .and_then(|mut ep| {
+                    // The provider reads an address of its own format's length from what we
+                    // hand it: one of any other length is refused, never handed over.
+                    let own = ep.name().map_err(|e| e.to_string())?;
+                    if own.len() != addr.len() {
+                        return Err(format!(
+                            "a {}-byte endpoint address; this provider's are {} bytes",
+                            addr.len(),
+                            own.len()
+                        ));
+                    }
+                    let peer = ep
+                        .insert_peer(addr)
+                        .map_err(|e| format!("cannot reach the client's endpoint: {e}"))?;
+                    Ok(RdmaPeer { ep, peer })
+                }),
         };
         let reply = match answer {
             Ok(p) => {
@@ -246,5 +261,247 @@ impl<T: Transport> Conn<'_, T> {
         self.reply(h, &proto::encode_status_lens(&st))?;
         drop(vals);
         Ok(failed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Hostile and broken RDMA requests against a live server on loopback (libfabric tcp), from
+    //! a hand-made client: each gets a per-key status or an error frame, touches no memory it
+    //! was not given, and leaves the server serving.
+
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use memkv_fabric::{Endpoint, Fabric, Mr};
+    use memkv_proto::{self as proto, Descriptor, Header, Opcode, Status, FLAG_RDMA, HEADER_LEN};
+
+    use crate::rdma::RdmaConfig;
+    use crate::{Server, ServerConfig};
+
+    fn server() -> Server {
+        Server::start(ServerConfig {
+            listen: "127.0.0.1:0".into(),
+            memory: 32 << 20,
+            lanes: 1,
+            frame_timeout: Duration::from_secs(5),
+            rdma: Some(RdmaConfig {
+                provider: Some("tcp".into()),
+                domains: vec!["lo".into()],
+            }),
+            ..ServerConfig::default()
+        })
+        .unwrap()
+    }
+
+    /// A client endpoint whose memory the server reads and writes, progressed by a thread.
+    struct Peer {
+        name: Vec<u8>,
+        provider: String,
+        mem: Vec<u8>,
+        mr: Mr,
+        stop: Arc<AtomicBool>,
+        t: Option<std::thread::JoinHandle<()>>,
+    }
+
+    impl Peer {
+        fn new(len: usize) -> Peer {
+            let fab = Fabric::open(Some("tcp"), &["lo".to_string()]).unwrap();
+            let mut ep = Endpoint::open(&fab).unwrap();
+            let name = ep.name().unwrap();
+            let mem = vec![0xEEu8; len];
+            // SAFETY: `mem` lives in the Peer, which drops the registration first.
+            let mr = unsafe { fab.register(mem.as_ptr() as usize, len, true) }.unwrap();
+            let stop = Arc::new(AtomicBool::new(false));
+            let s = stop.clone();
+            let t = std::thread::spawn(move || {
+                while !s.load(Ordering::Relaxed) {
+                    let _ = ep.progress();
+                    ep.wait(Duration::from_millis(2));
+                }
+            });
+            Peer {
+                name,
+                provider: fab.provider.clone(),
+                mem,
+                mr,
+                stop,
+                t: Some(t),
+            }
+        }
+
+        fn desc(&self, off: usize, len: usize) -> Descriptor {
+            Descriptor {
+                len: len as u64,
+                addr: self.mr.remote_addr(self.mem.as_ptr() as usize + off),
+                rkey: self.mr.key,
+            }
+        }
+    }
+
+    impl Drop for Peer {
+        fn drop(&mut self) {
+            self.stop.store(true, Ordering::Relaxed);
+            self.t.take().unwrap().join().unwrap();
+        }
+    }
+
+    fn call(s: &mut TcpStream, op: Opcode, flags: u32, body: &[u8]) -> Option<(Header, Vec<u8>)> {
+        let mut h = Header::new(op, 1, body.len(), 0);
+        h.flags = flags;
+        s.write_all(&h.encode()).ok()?;
+        s.write_all(body).ok()?;
+        let mut hb = [0u8; HEADER_LEN];
+        s.read_exact(&mut hb).ok()?;
+        let h = Header::decode(&hb).unwrap();
+        let mut b = vec![0u8; h.body_len as usize];
+        s.read_exact(&mut b).ok()?;
+        Some((h, b))
+    }
+
+    /// A connection that said HELLO and had its RDMA_HELLO (with `addr`) answered.
+    fn connect(srv: &Server, provider: &str, addr: &[u8]) -> (TcpStream, bool, String) {
+        let mut s = TcpStream::connect(srv.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        call(&mut s, Opcode::Hello, 0, &[]).unwrap();
+        let (h, b) = call(
+            &mut s,
+            Opcode::RdmaHello,
+            0,
+            &proto::encode_rdma_hello(provider, addr),
+        )
+        .unwrap();
+        assert_eq!(h.opcode, Opcode::RdmaHelloReply);
+        let (ok, why) = proto::decode_rdma_hello_reply(&b).unwrap();
+        (s, ok, why)
+    }
+
+    fn put(s: &mut TcpStream, key: &[u8], d: Descriptor) -> Option<Status> {
+        let body = proto::encode_descriptors(&[key], &[d]);
+        let (_, b) = call(s, Opcode::Put, FLAG_RDMA, &body)?;
+        Some(proto::decode_statuses(&b, 1).unwrap()[0])
+    }
+
+    fn get(s: &mut TcpStream, key: &[u8], d: Descriptor) -> Option<Status> {
+        let body = proto::encode_descriptors(&[key], &[d]);
+        let (_, b) = call(s, Opcode::Get, FLAG_RDMA, &body)?;
+        Some(proto::decode_status_lens(&b, 1).unwrap()[0].0)
+    }
+
+    /// The server closed the connection (after its last reply).
+    fn closed(s: &mut TcpStream) -> bool {
+        let mut b = [0u8; 1];
+        matches!(s.read(&mut b), Ok(0) | Err(_))
+    }
+
+    #[test]
+    fn bad_descriptors_fail_their_key_and_touch_nothing_else() {
+        let srv = server();
+        let mut peer = Peer::new(1 << 20);
+        let val: Vec<u8> = (0..300_000u32).map(|i| (i % 249) as u8).collect();
+        peer.mem[..val.len()].copy_from_slice(&val);
+        let (mut s, ok, why) = connect(&srv, &peer.provider, &peer.name);
+        assert!(ok, "{why}");
+        assert_eq!(
+            put(&mut s, b"good", peer.desc(0, val.len())),
+            Some(Status::Ok)
+        );
+        // A wrong key: REMOTE_ACCESS, nothing stored, connection closed after the reply.
+        let mut bad = peer.desc(0, 1000);
+        bad.rkey ^= 0x77;
+        assert_eq!(put(&mut s, b"bad", bad), Some(Status::RemoteAccess));
+        assert!(closed(&mut s));
+        assert!(srv.store.fetch_verified(b"bad").is_err(), "nothing stored");
+        // An address past the registration: the write fails; the registered bytes are as
+        // they were.
+        let before = peer.mem.clone();
+        let (mut s, _, _) = connect(&srv, &peer.provider, &peer.name);
+        let past = peer.desc(peer.mem.len() - 8, val.len());
+        assert_eq!(get(&mut s, b"good", past), Some(Status::RemoteAccess));
+        assert!(closed(&mut s));
+        assert_eq!(peer.mem, before);
+        // A length that is not the stored one: LENGTH_MISMATCH, nothing written.
+        let (mut s, _, _) = connect(&srv, &peer.provider, &peer.name);
+        let off = 1 << 19;
+        let wrong = peer.desc(off, val.len() - 1);
+        assert_eq!(get(&mut s, b"good", wrong), Some(Status::LengthMismatch));
+        assert_eq!(peer.mem, before);
+        // The connection and the server still serve: the value comes back whole.
+        assert_eq!(
+            get(&mut s, b"good", peer.desc(off, val.len())),
+            Some(Status::Ok)
+        );
+        assert_eq!(&peer.mem[off..off + val.len()], &val[..]);
+        assert_eq!(srv.store.metrics.errors("rdma_remote"), 2);
+        srv.shutdown();
+        srv.wait();
+    }
+
+    #[test]
+    fn broken_handshakes_are_refused_and_the_server_stays_up() {
+        let srv = server();
+        let peer = Peer::new(4096);
+        // An address of the wrong length is never handed to the provider.
+        let (_, ok, why) = connect(&srv, &peer.provider, &[1, 2, 3]);
+        assert!(!ok && why.contains("3-byte"), "{why}");
+        // Another provider's client.
+        let (_, ok, why) = connect(&srv, "verbs;ofi_rxm", &peer.name);
+        assert!(!ok && why.contains("provider"), "{why}");
+        // A well-formed address nobody listens at: accepted, but a transfer fails as a value.
+        let nobody = vec![0u8; peer.name.len()];
+        let (mut s, ok, _) = connect(&srv, &peer.provider, &nobody);
+        if ok {
+            let st = put(&mut s, b"x", peer.desc(0, 100));
+            assert!(st.is_none() || st == Some(Status::RemoteAccess), "{st:?}");
+        }
+        // An RDMA transfer before RDMA_HELLO: an error frame, then the connection closes.
+        let mut s = TcpStream::connect(srv.addr).unwrap();
+        call(&mut s, Opcode::Hello, 0, &[]).unwrap();
+        let body = proto::encode_descriptors(&[b"k".as_slice()], &[peer.desc(0, 10)]);
+        let (h, b) = call(&mut s, Opcode::Put, FLAG_RDMA, &body).unwrap();
+        assert_eq!(h.opcode, Opcode::Error);
+        assert!(proto::decode_error(&b)
+            .unwrap()
+            .1
+            .contains("before RDMA_HELLO"));
+        // Still serving.
+        let (mut s, ok, why) = connect(&srv, &peer.provider, &peer.name);
+        assert!(ok, "{why}");
+        assert_eq!(put(&mut s, b"y", peer.desc(0, 100)), Some(Status::Ok));
+        srv.shutdown();
+        srv.wait();
+    }
+
+    #[test]
+    fn a_corrupt_value_answers_corrupt_and_writes_no_byte() {
+        let srv = server();
+        let mut peer = Peer::new(2 << 20);
+        let len = 3 * proto::CHECKSUM_CHUNK + 5;
+        for (i, b) in peer.mem[..len].iter_mut().enumerate() {
+            *b = (i % 253) as u8;
+        }
+        let (mut s, ok, why) = connect(&srv, &peer.provider, &peer.name);
+        assert!(ok, "{why}");
+        assert_eq!(put(&mut s, b"v", peer.desc(0, len)), Some(Status::Ok));
+        let v = srv.store.fetch_verified(b"v").ok().unwrap();
+        v.span.corrupt_for_test(2 * proto::CHECKSUM_CHUNK + 7);
+        drop(v);
+        let off = 1 << 20;
+        peer.mem[off..off + len].fill(0xEE);
+        assert_eq!(
+            get(&mut s, b"v", peer.desc(off, len)),
+            Some(Status::Corrupt)
+        );
+        assert!(
+            peer.mem[off..off + len].iter().all(|&b| b == 0xEE),
+            "no byte written"
+        );
+        assert!(srv.store.fetch_verified(b"v").is_err(), "dropped");
+        assert_eq!(srv.store.metrics.errors("corrupt"), 1);
+        srv.shutdown();
+        srv.wait();
     }
 }
