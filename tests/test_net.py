@@ -130,9 +130,10 @@ def test_the_table_shows_gpus_nics_and_the_pairing(tree) -> None:
 def test_gpu_scratch_verdict_needs_a_switch_local_rdma_nic_that_reaches_gpu_memory(tree) -> None:
     pairs, more, bare = tree("switch_pairs"), tree("more_gpus"), tree("no_nic")
     ok, why = _native.gpu_scratch_verdict("00000000:18:00.0", [], pairs)  # nvidia-smi spelling
-    # The topology allows it; this build's transports cannot read GPU memory.
-    assert not ok
-    assert why.startswith("RDMA NIC mlx5_2 shares GPU 0000:18:00.0's PCIe switch but ")
+    # The topology allows it; the RDMA transport registers host memory only.
+    assert (ok, why) == (False, "RDMA NIC mlx5_2 shares GPU 0000:18:00.0's PCIe switch but "
+                                "memkv's RDMA transport registers host memory only (no FI_HMEM "
+                                "device memory)")
     ok, why = _native.gpu_scratch_verdict("0000:08:00.0", [], more)
     assert (ok, why) == (False, "GPU 0000:08:00.0's nearest RDMA NIC mlx5_0 is not below its "
                                 "PCIe switch (same root complex)")
@@ -177,12 +178,29 @@ def test_topo_and_selftest_run_against_this_hosts_sysfs() -> None:
     r = memkv("net", "selftest")
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout.splitlines()
-    assert out[0].startswith("ok    topology: ")
-    assert out[1].startswith("ok    tcp round trip: put and got back 3 values")
-    assert out[-1].startswith("2 passed, 0 failed, ")
+    assert [line.split(":")[0] for line in out[:-1]] == [
+        "ok    topology", "ok    tcp round trip", "ok    libfabric", "ok    providers",
+        "ok    rdma round trip"]
+    assert "put and got back 3 values" in out[1] and "identical" in out[1]
+    # No RDMA NIC here (CI, this machine): the one-sided path runs over tcp on loopback.
+    assert "tcp (tcp;ofi_rxm on " in out[3]
+    assert out[4].startswith("ok    rdma round trip: tcp (tcp;ofi_rxm): put and got back 3 values")
+    assert out[-1] == "5 passed, 0 failed, 0 not checked"
+
+
+def test_selftest_fails_a_host_whose_rdma_nics_no_hardware_provider_serves(tree) -> None:
+    # The recorded tree has four InfiniBand NICs; this host's libfabric has no verbs device.
+    r = memkv("net", "selftest", "--sysfs", tree("switch_pairs"))
+    assert r.returncode == 1
+    assert ("FAIL  providers: RDMA NICs mlx5_0, mlx5_1, mlx5_2, mlx5_3 but libfabric offers no "
+            "verbs or efa endpoint") in r.stdout
+    # The other checks still run and say what they found.
+    assert "ok    rdma round trip: tcp" in r.stdout
+    assert r.stdout.splitlines()[-1] == "4 passed, 1 failed, 0 not checked"
 
 
 def test_a_recorded_gpu_host_gives_what_memkv_net_topo_printed_there(tree) -> None:
     want = json.loads((sysfs_tree.DATA / "h200_vm.topo.json").read_text())
-    assert topo(tree("h200_vm")) == want
+    got = topo(tree("h200_vm"))
+    assert got == want
     assert want["pairing"][0]["nic"] == "eth0" and not want["pairing"][0]["gpu_scratch"]

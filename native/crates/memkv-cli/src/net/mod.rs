@@ -68,7 +68,7 @@ pub fn device_list(s: &str) -> Vec<String> {
 
 /// Whether the RDMA transport can reach GPU memory through `nic` (Ok: how; Err: why not).
 fn device_memory(_nic: &Nic) -> Result<String, String> {
-    Err("this build of memkv has no RDMA transport: its transports read host memory only".into())
+    Err("memkv's RDMA transport registers host memory only (no FI_HMEM device memory)".into())
 }
 
 /// The NIC (name, and how near: "same PCIe switch", ...) the rank of the GPU at PCI address
