@@ -86,6 +86,12 @@ def test_rdma_devices_narrow_the_nics_from_the_variable_or_the_flag(tree) -> Non
     assert [n["name"] for n in json.loads(r.stdout)["nics"]] == ["mlx5_0", "mlx5_2"]
 
 
+def test_the_tcp_providers_loopback_is_a_valid_device_and_nobodys_nic(tree) -> None:
+    t = topo(tree("switch_pairs"), devices="lo")
+    assert t["nics"] == []
+    assert [(p["nic"], p["proximity"]) for p in t["pairing"]] == [(None, None)] * 4
+
+
 def test_an_unknown_rdma_device_is_a_clear_error_naming_the_hosts_nics(tree) -> None:
     root = tree("switch_pairs")
     for args, devices in ((), "mlx5_2,mlx5_9"), (("--rdma-devices", "mlx5_9"), None):
@@ -93,7 +99,7 @@ def test_an_unknown_rdma_device_is_a_clear_error_naming_the_hosts_nics(tree) -> 
         assert r.returncode == 1
         assert r.stdout == ""
         assert ("MEMKV_RDMA_DEVICES names mlx5_9 but this host has mlx5_0, mlx5_1, mlx5_2, "
-                "mlx5_3, eno1") in r.stderr
+                "mlx5_3, eno1, lo (see") in r.stderr
     r = memkv("net", "selftest", "--sysfs", root, devices="mlx5_9")
     assert r.returncode == 1
     assert "FAIL  topology: MEMKV_RDMA_DEVICES names mlx5_9" in r.stdout

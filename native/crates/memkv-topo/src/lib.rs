@@ -87,6 +87,9 @@ pub struct Topology {
     pub gpus: Vec<Gpu>,
     /// RDMA devices by name, then plain network devices by name.
     pub nics: Vec<Nic>,
+    /// Network interfaces on no PCI device (`lo`): libfabric's tcp provider can use them, so
+    /// `MEMKV_RDMA_DEVICES` may name them, but they are nobody's nearest NIC.
+    pub virtual_interfaces: Vec<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -124,10 +127,18 @@ impl Topology {
         let unknown: Vec<&str> = names
             .iter()
             .copied()
-            .filter(|n| !self.nics.iter().any(|nic| nic.name == *n))
+            .filter(|n| {
+                !self.nics.iter().any(|nic| nic.name == *n)
+                    && !self.virtual_interfaces.iter().any(|v| v == n)
+            })
             .collect();
         if !unknown.is_empty() {
-            let known: Vec<&str> = self.nics.iter().map(|n| n.name.as_str()).collect();
+            let known: Vec<&str> = self
+                .nics
+                .iter()
+                .map(|n| n.name.as_str())
+                .chain(self.virtual_interfaces.iter().map(String::as_str))
+                .collect();
             return Err(TopoError::UnknownNics {
                 unknown: unknown.join(", "),
                 known: if known.is_empty() {
@@ -138,6 +149,8 @@ impl Topology {
             });
         }
         self.nics.retain(|n| names.contains(&n.name.as_str()));
+        self.virtual_interfaces
+            .retain(|v| names.contains(&v.as_str()));
         Ok(self)
     }
 
@@ -309,6 +322,7 @@ mod tests {
                     None,
                 ),
             ],
+            virtual_interfaces: vec!["lo".into()],
         }
     }
 
@@ -375,11 +389,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("names mlx5_9, ib7 but this host has mlx5_0, mlx5_1, eth0"),
+            e.contains("names mlx5_9, ib7 but this host has mlx5_0, mlx5_1, eth0, lo"),
             "{e}"
         );
+        // The tcp provider's loopback is a valid name, and nobody's NIC.
+        let lo = host().narrow(&["lo".into()]).unwrap();
+        assert!(lo.nics.is_empty() && lo.virtual_interfaces == ["lo"]);
+        assert_eq!(names(&lo), [None; 3]);
         let mut bare = host();
         bare.nics.clear();
+        bare.virtual_interfaces.clear();
         let e = bare.narrow(&["mlx5_0".into()]).unwrap_err().to_string();
         assert!(e.contains("this host has no NIC"), "{e}");
     }

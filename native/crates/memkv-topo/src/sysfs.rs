@@ -72,23 +72,27 @@ pub(crate) fn read(root: &Path) -> Result<Topology, TopoError> {
         })
         .collect();
     let rdma_functions: Vec<PciAddr> = nics.iter().map(|n| n.place.addr).collect();
-    nics.extend(
-        entries(&root.join("class/net"))
-            .into_iter()
-            .filter_map(|(name, path)| {
-                let place = place(&root, &path.join("device"))?;
-                // An RDMA device's own interface (RoCE, IPoIB) is listed with that device.
-                (!rdma_functions.contains(&place.addr)).then_some(Nic {
-                    name,
-                    kind: NicKind::Net,
-                    place,
-                    netdevs: Vec::new(),
-                    link_layers: Vec::new(),
-                    active: None,
-                })
+    let mut virtual_interfaces = Vec::new();
+    for (name, path) in entries(&root.join("class/net")) {
+        match place(&root, &path.join("device")) {
+            None => virtual_interfaces.push(name),
+            // An RDMA device's own interface (RoCE, IPoIB) is listed with that device.
+            Some(place) if rdma_functions.contains(&place.addr) => {}
+            Some(place) => nics.push(Nic {
+                name,
+                kind: NicKind::Net,
+                place,
+                netdevs: Vec::new(),
+                link_layers: Vec::new(),
+                active: None,
             }),
-    );
-    Ok(Topology { gpus, nics })
+        }
+    }
+    Ok(Topology {
+        gpus,
+        nics,
+        virtual_interfaces,
+    })
 }
 
 /// The directory's entries as (name, path), sorted by name; none when it does not exist (a
