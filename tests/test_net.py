@@ -116,7 +116,7 @@ def test_without_an_rdma_nic_gpus_pair_with_the_plain_network_device(tree) -> No
                           ("0000:04:00.0", "eth0", "root_complex")]
     assert not any(p["gpu_scratch"] for p in t["pairing"])
     text = memkv("net", "topo", "--sysfs", root).stdout
-    assert "No RDMA NIC: only libfabric's tcp provider can run here" in text
+    assert "No RDMA NIC: only libfabric's software providers (tcp, sockets) can run here" in text
 
 
 def test_the_table_shows_gpus_nics_and_the_pairing(tree) -> None:

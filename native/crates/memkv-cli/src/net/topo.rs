@@ -185,8 +185,8 @@ pub(super) fn render(topo: &Topology) -> String {
         out += &columns(&rows);
     }
     if rdma == 0 {
-        out += "No RDMA NIC: only libfabric's tcp provider can run here (MEMKV_TRANSPORT=auto \
-                uses TCP).\n";
+        out += "No RDMA NIC: only libfabric's software providers (tcp, sockets) can run here, \
+                slower than plain TCP.\n";
     } else if topo
         .nics
         .iter()
