@@ -141,6 +141,8 @@ impl PyClient {
             io_threads,
             transport: transport_choice(transport)?,
             rdma_devices,
+            // The provider comes from MEMKV_RDMA_PROVIDER (else libfabric's first).
+            rdma_provider: None,
         };
         let inner = no_panic(|| Client::new(cfg))?.map_err(PyValueError::new_err)?;
         Ok(PyClient { inner })

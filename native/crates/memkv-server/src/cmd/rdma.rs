@@ -283,11 +283,15 @@ mod tests {
     use crate::{Server, ServerConfig};
 
     fn server() -> Server {
+        server_with(Duration::from_secs(5))
+    }
+
+    fn server_with(frame_timeout: Duration) -> Server {
         Server::start(ServerConfig {
             listen: "127.0.0.1:0".into(),
             memory: 32 << 20,
             lanes: 1,
-            frame_timeout: Duration::from_secs(5),
+            frame_timeout,
             rdma: Some(RdmaConfig {
                 provider: Some("tcp".into()),
                 domains: vec!["lo".into()],
@@ -309,6 +313,12 @@ mod tests {
 
     impl Peer {
         fn new(len: usize) -> Peer {
+            Peer::with_progress(len, true)
+        }
+
+        /// `progress` false: an endpoint nobody drives, so no remote operation on it completes
+        /// (a client that stopped).
+        fn with_progress(len: usize, progress: bool) -> Peer {
             let fab = Fabric::open(Some("tcp"), &["lo".to_string()]).unwrap();
             let mut ep = Endpoint::open(&fab).unwrap();
             let name = ep.name().unwrap();
@@ -319,7 +329,9 @@ mod tests {
             let s = stop.clone();
             let t = std::thread::spawn(move || {
                 while !s.load(Ordering::Relaxed) {
-                    let _ = ep.progress();
+                    if progress {
+                        let _ = ep.progress();
+                    }
                     ep.wait(Duration::from_millis(2));
                 }
             });
@@ -471,6 +483,38 @@ mod tests {
         let (mut s, ok, why) = connect(&srv, &peer.provider, &peer.name);
         assert!(ok, "{why}");
         assert_eq!(put(&mut s, b"y", peer.desc(0, 100)), Some(Status::Ok));
+        srv.shutdown();
+        srv.wait();
+    }
+
+    #[test]
+    fn a_transfer_the_client_never_completes_ends_at_the_frame_deadline() {
+        let srv = server_with(Duration::from_millis(500));
+        let peer = Peer::with_progress(1 << 20, false);
+        let (mut s, ok, why) = connect(&srv, &peer.provider, &peer.name);
+        assert!(ok, "{why}");
+        let t = std::time::Instant::now();
+        let body = proto::encode_descriptors(&[b"slow".as_slice()], &[peer.desc(0, 100_000)]);
+        let (h, b) = call(&mut s, Opcode::Put, FLAG_RDMA, &body).unwrap();
+        let took = t.elapsed();
+        // 0.5 s allowance plus 100 kB at the 1 MiB/s minimum rate.
+        assert!(
+            took >= Duration::from_millis(550) && took < Duration::from_secs(5),
+            "{took:?}"
+        );
+        assert_eq!(h.opcode, Opcode::Error);
+        assert_eq!(
+            proto::decode_error(&b).unwrap().0,
+            Some(proto::ErrorCode::Stalled)
+        );
+        assert!(closed(&mut s));
+        let ls = srv.store.lane_stats();
+        assert_eq!(
+            (ls.items, ls.receiving_bytes),
+            (0, 0),
+            "the reservation is released"
+        );
+        assert_eq!(srv.store.metrics.errors("stalled"), 1);
         srv.shutdown();
         srv.wait();
     }
