@@ -182,7 +182,8 @@ class MemKVClient:
     the same calls answering with one ``bytes`` of codes per batch, the fast path."""
 
     def __init__(self, config: MemKVConfig, io_threads: int | None = None) -> None:
-        """Raises ValueError for a setting this build cannot honour (``transport: rdma``)."""
+        """Raises ValueError for a setting this host cannot honour (``transport: rdma`` without
+        libfabric or without a provider domain matching ``rdma_devices``)."""
         self.config = config
         self._c = _native.Client(
             list(config.servers),

@@ -68,6 +68,9 @@ NON_CLIENT_ENV: frozenset[str] = frozenset(
         "MEMKV_LANES",
         "MEMKV_METRICS",
         "MEMKV_BIN",
+        # `memkv serve --rdma`; the provider is read by the native client as well.
+        "MEMKV_RDMA",
+        "MEMKV_RDMA_PROVIDER",
     }
 )
 

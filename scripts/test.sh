@@ -3,6 +3,7 @@
 #
 #   1. makes .venv (Python deps for building and testing) if missing or out of date, and installs
 #      redis-server with apt-get when missing (the Redis backend tests start a Redis Cluster),
+#      libfabric from apt where it is missing (scripts/setup-libfabric.sh),
 #   2. runs the Rust tests (cargo test --workspace --release in native/),
 #   3. builds the extension and installs memkv-vllm into .venv (maturin develop --release),
 #   4. runs pytest on tests/ in .venv (fixtures start real `memkv` servers on free loopback ports;
@@ -34,7 +35,7 @@ while (($#)); do
     --no-e2e) run_e2e=0 ;;
     --setup) setup_only=1 ;;
     --) shift; PYTEST_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "test.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -99,6 +100,9 @@ log "python venv $VENV"
 ensure_venv
 log "redis-server (Redis backend tests)"
 ensure_redis_server
+log "libfabric (the RDMA transport's tests run over its tcp provider on loopback)"
+# A developer without root gets the message and the rest of the suite; CI must test that path.
+bash "$ROOT/scripts/setup-libfabric.sh" || [[ "${CI:-}" != true ]] || exit 1
 ((setup_only)) && exit 0
 
 command -v cargo >/dev/null || {

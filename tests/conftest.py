@@ -29,6 +29,17 @@ def memkv_server_factory() -> Iterator[Callable[..., MemKVServer]]:
         s.kill()
 
 
+@pytest.fixture(params=["tcp", "rdma"])
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test over each data path: TCP, and RDMA over libfabric's tcp provider on loopback
+    (servers started after this fixture serve RDMA; `client_for(..., transport=...)` uses it)."""
+    if request.param == "rdma":
+        monkeypatch.setenv("MEMKV_RDMA", "true")
+        monkeypatch.setenv("MEMKV_RDMA_PROVIDER", "tcp")
+        monkeypatch.setenv("MEMKV_RDMA_DEVICES", "lo")
+    return request.param
+
+
 @pytest.fixture
 def memkv_server(memkv_server_factory: Callable[..., MemKVServer]) -> MemKVServer:
     return memkv_server_factory()

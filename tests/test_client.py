@@ -22,9 +22,12 @@ from memkv_vllm.config import MemKVConfig, parse_server
 KEY_HEX = "ab" * 32
 
 
-def client_for(*servers, **kw) -> MemKVClient:
+def client_for(*servers, transport: str = "tcp", **kw) -> MemKVClient:
+    """A client of `servers`; over RDMA (the `transport` fixture's "rdma") it uses loopback."""
     addrs = tuple(s.address for s in servers)
-    return MemKVClient(MemKVConfig(servers=addrs, **kw))
+    if transport == "rdma":
+        kw.setdefault("rdma_devices", ("lo",))
+    return MemKVClient(MemKVConfig(servers=addrs, transport=transport, **kw))
 
 
 def rand_bytes(n: int, seed: int) -> np.ndarray:
@@ -32,9 +35,9 @@ def rand_bytes(n: int, seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("size", [1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20])
-def test_numpy_round_trip_is_byte_exact(memkv_server_factory, size):
+def test_numpy_round_trip_is_byte_exact(memkv_server_factory, transport, size):
     srv = memkv_server_factory(memory="512M", lanes=2)
-    c = client_for(srv)
+    c = client_for(srv, transport=transport)
     src = rand_bytes(size, size)
     assert c.put([b"k/%d" % size], [src]) == [Status.OK]
     dst = np.zeros(size, dtype=np.uint8)
@@ -42,8 +45,8 @@ def test_numpy_round_trip_is_byte_exact(memkv_server_factory, size):
     assert np.array_equal(src, dst)
 
 
-def test_batch_of_mixed_sizes_and_buffer_types(memkv_server):
-    c = client_for(memkv_server)
+def test_batch_of_mixed_sizes_and_buffer_types(transport, memkv_server):
+    c = client_for(memkv_server, transport=transport)
     vals = [rand_bytes(n, i) for i, n in enumerate([1, 100, 4096, 300_000])]
     keys = [b"mixed/%d" % i for i in range(len(vals))]
     srcs = [bytes(vals[0]), bytearray(vals[1]), memoryview(vals[2]), vals[3].reshape(1000, 300)]
@@ -55,8 +58,8 @@ def test_batch_of_mixed_sizes_and_buffer_types(memkv_server):
         assert np.array_equal(v, np.frombuffer(d, np.uint8).reshape(-1))
 
 
-def test_misses_length_mismatch_and_invalid_keys(memkv_server):
-    c = client_for(memkv_server)
+def test_misses_length_mismatch_and_invalid_keys(transport, memkv_server):
+    c = client_for(memkv_server, transport=transport)
     c.put([b"len8"], [b"12345678"])
     buf = bytearray(b"untouched")
     st = c.get_into([b"len8", b"absent", b"", b"x" * 2000], [buf, bytearray(3), bytearray(1),
@@ -95,8 +98,8 @@ def test_two_clients_share_a_two_server_cluster(memkv_cluster2):
     assert sum(items) == 200 and min(items) > 50, f"keys not spread over both servers: {items}"
 
 
-def test_killed_server_turns_its_keys_into_misses_without_hanging(memkv_cluster2):
-    c = client_for(*memkv_cluster2, op_timeout_s=3.0, connect_timeout_s=1.0)
+def test_killed_server_turns_its_keys_into_misses_without_hanging(transport, memkv_cluster2):
+    c = client_for(*memkv_cluster2, transport=transport, op_timeout_s=3.0, connect_timeout_s=1.0)
     keys = [b"kill/%04d" % i for i in range(64)]
     vals = [rand_bytes(1 << 20, i) for i in range(64)]
     assert c.put(keys, vals) == [Status.OK] * 64
@@ -159,9 +162,9 @@ def test_memory_budget_holds_under_3x_writes(memkv_server_factory):
     assert c.exists([b"evict/%04d" % (n - 1)]) == [Status.OK], "newest value must survive"
 
 
-def test_leased_values_survive_pressure(memkv_server_factory):
+def test_leased_values_survive_pressure(memkv_server_factory, transport):
     srv = memkv_server_factory(memory="16M", lanes=1)
-    c = client_for(srv)
+    c = client_for(srv, transport=transport)
     c.put([b"keep"], [rand_bytes(1 << 20, 99)])
     assert c.exists([b"keep"], lease_ms=60_000) == [Status.OK]
     for i in range(64):
@@ -172,12 +175,12 @@ def test_leased_values_survive_pressure(memkv_server_factory):
     assert srv.stats()["leases_granted"] == 1
 
 
-def test_concurrent_clients_never_read_wrong_bytes(memkv_server_factory):
+def test_concurrent_clients_never_read_wrong_bytes(memkv_server_factory, transport):
     srv = memkv_server_factory(memory="32M", lanes=2)
     errors: list[str] = []
 
     def worker(t: int) -> None:
-        c = client_for(srv)
+        c = client_for(srv, transport=transport)
         for i in range(60):
             k = b"race/%d" % (i % 10)
             # Every writer writes the same bytes for a key, so any OK read must match them.
@@ -195,9 +198,17 @@ def test_concurrent_clients_never_read_wrong_bytes(memkv_server_factory):
     assert not errors
 
 
-def test_rdma_transport_is_refused_clearly(memkv_server):
-    with pytest.raises(ValueError, match="'rdma' is not available.*TCP transport only"):
+def test_rdma_transport_is_refused_clearly(memkv_server, monkeypatch):
+    # No such provider: the client cannot be made.
+    monkeypatch.setenv("MEMKV_RDMA_PROVIDER", "no-such-provider")
+    with pytest.raises(ValueError, match="transport 'rdma': fi_getinfo"):
         client_for(memkv_server, transport="rdma")
+    # A server without --rdma: its keys fail as values and health says why.
+    monkeypatch.setenv("MEMKV_RDMA_PROVIDER", "tcp")
+    c = client_for(memkv_server, transport="rdma")
+    assert c.put([b"r"], [b"v"]) == [Status.UNAVAILABLE]
+    (h,) = c.health().values()
+    assert "RDMA is off on this server" in h["reason"]
 
 
 def test_env_config_reaches_the_client(memkv_server, monkeypatch):
@@ -394,7 +405,7 @@ def test_transport_auto_runs_tcp_and_says_so(memkv_server, caplog):
     caplog.set_level(logging.INFO, logger="memkv_client")
     c = client_for(memkv_server, transport="auto", rdma_devices=("mlx5_0",))
     assert c.put([b"auto"], [b"1"]) == [Status.OK]
-    said = [r.getMessage() for r in caplog.records if "no RDMA transport" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "no usable RDMA" in r.getMessage()]
     assert len(said) == 1 and "using TCP" in said[0]
 
 

@@ -9,11 +9,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use memkv_client::{Buf, Client, Status};
+use memkv_client::{Buf, Client, ClientConfig, Status, TransportChoice};
 use memkv_server::arena::Region;
 use memkv_server::{parse_size, Server, ServerConfig};
 
-use crate::Conn;
+use crate::{Conn, RdmaArgs};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -61,6 +61,13 @@ pub struct BenchArgs {
     /// 'memkv-vllm[plot]'), which hands this binary a --json file to draw from.
     #[arg(long, value_name = "FILE.png")]
     plot: Option<std::path::PathBuf>,
+    /// `rdma`: also measure memkv over the RDMA data path (the server's one-sided reads and
+    /// writes of the bench's registered buffers), printed beside the TCP figures. The
+    /// in-process server then serves RDMA; an external one needs --rdma.
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
+    transport: String,
+    #[command(flatten)]
+    rdma: crate::RdmaArgs,
 }
 
 /// Best of `n` runs of a throughput measurement.
@@ -512,15 +519,21 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         .map(|s| parse_size(s).map(|v| v as usize))
         .collect::<Result<_, _>>()?;
     let max_threads = a.threads.iter().copied().max().unwrap_or(1);
+    let with_rdma = a.transport == "rdma";
     let mut _server = None;
     let servers = match &a.servers {
         Some(s) => s.clone(),
         None => {
             let memory = parse_size(&a.memory)?;
+            let rdma = RdmaArgs {
+                rdma: with_rdma,
+                ..a.rdma.clone()
+            };
             let s = Server::start(ServerConfig {
                 listen: "127.0.0.1:0".into(),
                 memory,
                 lanes: 2,
+                rdma: rdma.server_config(),
                 ..ServerConfig::default()
             })
             .map_err(|e| format!("in-process server: {e}"))?;
@@ -535,6 +548,20 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         timeout: 30.0,
     };
     let client = conn.client(1, max_threads)?;
+    let rdma_client = with_rdma
+        .then(|| {
+            conn.client_over(
+                1,
+                max_threads,
+                ClientConfig {
+                    transport: TransportChoice::Rdma,
+                    rdma_provider: a.rdma.rdma_provider.clone(),
+                    rdma_devices: a.rdma.rdma_devices.clone(),
+                    ..ClientConfig::default()
+                },
+            )
+        })
+        .transpose()?;
     let redis = if a.vs_redis {
         Some(start_redis()?)
     } else {
@@ -579,7 +606,7 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         rtt.as_secs_f64() * 1e6
     );
     println!(
-        "{:>8} {:>3} | {:>7} {:>7} {:>7} | {:>7} {:>7} | {:>7} {:>7} | {:>8} {:>8} |{}",
+        "{:>8} {:>3} | {:>7} {:>7} {:>7} | {:>7} {:>7} | {:>7} {:>7} | {:>8} {:>8} |{}{}",
         "value",
         "thr",
         "memcpy",
@@ -595,7 +622,8 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
             " redis-set redis-get  put/redis get/redis"
         } else {
             ""
-        }
+        },
+        if with_rdma { " rdma-put rdma-get" } else { "" }
     );
     let mut summary = Summary::default();
     let mut rows = Vec::new();
@@ -614,8 +642,8 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                 Ok(r)
             };
             // Per round: the one-stream and per-thread ceilings ([whole, pieces] each), then
-            // memkv put, get, Redis set, get.
-            let mut rounds: Vec<([f64; 2], [f64; 2], [f64; 4])> = Vec::with_capacity(rep);
+            // memkv put, get, Redis set, get, memkv over RDMA put, get.
+            let mut rounds: Vec<([f64; 2], [f64; 2], [f64; 6])> = Vec::with_capacity(rep);
             for _ in 0..rep {
                 let one = tcp(1)?;
                 let many = if th == 1 { one } else { tcp(th)? };
@@ -630,11 +658,19 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                         Some(r) => redis_point(&r.url, size, th, w.keys, volume, false)?,
                         None => 0.0,
                     },
+                    match &rdma_client {
+                        Some(c) => memkv_point(c, size, th, &w, volume, true)?,
+                        None => 0.0,
+                    },
+                    match &rdma_client {
+                        Some(c) => memkv_point(c, size, th, &w, volume, false)?,
+                        None => 0.0,
+                    },
                 ];
                 rounds.push((one, many, systems));
             }
             let best_of = |k: usize| rounds.iter().map(|r| r.2[k]).fold(0.0, f64::max);
-            let [p, g, rp, rg] = [0, 1, 2, 3].map(best_of);
+            let [p, g, rp, rg, dp, dg] = [0, 1, 2, 3, 4, 5].map(best_of);
             let one: Vec<[f64; 2]> = rounds.iter().map(|r| r.0).collect();
             let many: Vec<[f64; 2]> = rounds.iter().map(|r| r.1).collect();
             let (tcp, tcp_n) = (ceiling(&one), ceiling(&many));
@@ -656,21 +692,30 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
             if redis.is_some() {
                 line += &format!(" {:>9.2} {:>9.2} {:>9.2}x {:>8.2}x", rp, rg, p / rp, g / rg);
             }
+            if with_rdma {
+                line += &format!(" {dp:>8.2} {dg:>8.2}");
+            }
             println!("{line}");
             let redis_gbps = |x: f64| redis.as_ref().map(|_| x);
+            let rdma_gbps = |x: f64| with_rdma.then_some(x);
             rows.push(serde_json::json!({
                 "size": size, "label": size_label(size), "threads": th, "memcpy": mc,
                 "tcp": tcp, "tcp_per_thread": tcp_n, "put": p, "get": g,
                 "redis_set": redis_gbps(rp), "redis_get": redis_gbps(rg),
+                "rdma_put": rdma_gbps(dp), "rdma_get": rdma_gbps(dg),
             }));
             if a.show_rounds {
                 let each: Vec<String> = rounds
                     .iter()
                     .map(|(o, m, x)| {
-                        format!(
+                        let mut r = format!(
                             "tcp {:.2}/{:.2} tcp*thr {:.2}/{:.2} put {:.2} get {:.2}",
                             o[0], o[1], m[0], m[1], x[0], x[1]
-                        )
+                        );
+                        if with_rdma {
+                            r += &format!(" rdma-put {:.2} rdma-get {:.2}", x[4], x[5]);
+                        }
+                        r
                     })
                     .collect();
                 println!("    rounds: {}", each.join("; "));

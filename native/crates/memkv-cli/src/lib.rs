@@ -2,6 +2,7 @@
 //! console script (which calls `run` through the extension module).
 
 pub mod bench;
+pub mod net;
 pub mod stats_table;
 
 use std::sync::atomic::Ordering;
@@ -32,6 +33,8 @@ enum Cmd {
     Ping(Conn),
     /// Measure put/get throughput against a server next to loopback-TCP and memcpy ceilings.
     Bench(bench::BenchArgs),
+    /// Inspect and check this host's RDMA setup: PCIe topology, NICs, libfabric.
+    Net(net::NetArgs),
 }
 
 /// `memkv serve`. The flags a deployment sets per host also come from MEMKV_* variables (a flag
@@ -86,6 +89,40 @@ struct ServeArgs {
     /// --memory, within 64M..1G].
     #[arg(long)]
     max_buffer_memory: Option<String>,
+    #[command(flatten)]
+    rdma: RdmaArgs,
+}
+
+/// The RDMA data path's settings, shared by `serve` and `bench`.
+#[derive(Args, Clone)]
+pub struct RdmaArgs {
+    /// Serve the RDMA data path too: clients with transport rdma/auto send descriptors of their
+    /// registered memory and the server reads and writes it (libfabric, loaded at start; the
+    /// server refuses to start when it cannot be opened).
+    #[arg(long, env = "MEMKV_RDMA", hide_env_values = true)]
+    pub rdma: bool,
+    /// libfabric provider: verbs, efa, tcp, ... [default: the first libfabric offers].
+    #[arg(long, env = "MEMKV_RDMA_PROVIDER", hide_env_values = true)]
+    pub rdma_provider: Option<String>,
+    /// libfabric domains to use, comma-separated (NICs such as mlx5_0; for the tcp provider,
+    /// interfaces such as lo) [default: the first the provider offers].
+    #[arg(
+        long,
+        env = "MEMKV_RDMA_DEVICES",
+        hide_env_values = true,
+        value_delimiter = ','
+    )]
+    pub rdma_devices: Vec<String>,
+}
+
+impl RdmaArgs {
+    /// The server's RDMA configuration, when `--rdma` is on.
+    pub fn server_config(&self) -> Option<memkv_server::rdma::RdmaConfig> {
+        self.rdma.then(|| memkv_server::rdma::RdmaConfig {
+            provider: self.rdma_provider.clone(),
+            domains: self.rdma_devices.clone(),
+        })
+    }
 }
 
 #[derive(Args, Clone)]
@@ -120,6 +157,16 @@ impl Conn {
         io_threads: usize,
         conns: usize,
     ) -> Result<std::sync::Arc<Client>, String> {
+        self.client_over(io_threads, conns, ClientConfig::default())
+    }
+
+    /// A client with the transport settings of `base` (its servers, key and timeouts are ours).
+    pub fn client_over(
+        &self,
+        io_threads: usize,
+        conns: usize,
+        base: ClientConfig,
+    ) -> Result<std::sync::Arc<Client>, String> {
         let servers: Vec<String> = self
             .servers
             .split(',')
@@ -143,7 +190,7 @@ impl Conn {
             connect_timeout: timeout.min(Duration::from_secs(5)),
             op_timeout: timeout,
             io_threads,
-            ..ClientConfig::default()
+            ..base
         })
     }
 }
@@ -174,6 +221,7 @@ pub fn run(args: Vec<String>) -> i32 {
         Cmd::Stats(a) => stats(a),
         Cmd::Ping(c) => ping(c),
         Cmd::Bench(b) => bench::run(b),
+        Cmd::Net(n) => net::run(n),
     };
     match r {
         Ok(code) => code,
@@ -237,6 +285,7 @@ fn serve(a: ServeArgs) -> Result<i32, String> {
         frame_timeout: secs("--frame-timeout", a.frame_timeout)?,
         min_rate,
         buffer_budget,
+        rdma: a.rdma.server_config(),
         ..ServerConfig::default()
     };
     let server = Server::start(cfg).map_err(|e| format!("cannot start on {}: {e}", a.listen))?;

@@ -52,6 +52,8 @@ pub enum ConnError {
     },
     #[error("server requires an auth key and none is configured (set MEMKV_AUTH_KEY)")]
     AuthRequired,
+    #[error("transport 'rdma': the server refused RDMA: {0}")]
+    RdmaRefused(String),
 }
 
 impl ConnError {
@@ -65,6 +67,7 @@ impl ConnError {
             },
             ConnError::Proto(_) => Status::ProtocolError,
             ConnError::AuthRequired => Status::AuthFailed,
+            ConnError::RdmaRefused(_) => Status::Unavailable,
             ConnError::Server { code, .. } => match code {
                 Some(ErrorCode::Unauthenticated | ErrorCode::AuthFailed) => Status::AuthFailed,
                 Some(ErrorCode::TooLarge) => Status::TooLarge,
@@ -104,6 +107,9 @@ pub struct Conn {
     link: Box<dyn Link>,
     next_id: u64,
     pub max_value_len: u64,
+    /// The server closes the connection after a reply with a REMOTE_ACCESS status (its path
+    /// to our endpoint may be gone), so such a connection is not reused.
+    spent: bool,
 }
 
 impl Conn {
@@ -119,6 +125,7 @@ impl Conn {
             link,
             next_id: 1,
             max_value_len: 0,
+            spent: false,
         };
         c.link.set_deadline(deadline);
         let (_, body) = c.call(Opcode::Hello, &[], &[])?;
@@ -128,7 +135,28 @@ impl Conn {
             let key = auth_key.ok_or(ConnError::AuthRequired)?;
             c.call(Opcode::Auth, &proto::auth_mac(key, &hello.nonce), &[])?;
         }
+        if let Some(side) = c.link.rdma() {
+            let (strict, body) = (
+                side.strict,
+                proto::encode_rdma_hello(side.provider(), &side.name()?),
+            );
+            let (_, rb) = c.call(Opcode::RdmaHello, &body, &[])?;
+            let (accepted, why) = proto::decode_rdma_hello_reply(&rb)?;
+            if !accepted {
+                if strict {
+                    return Err(ConnError::RdmaRefused(why));
+                }
+                tracing::info!(server = %addr, reason = %why,
+                    "memkv transport 'auto': the server refused RDMA; values go over TCP");
+                c.link.drop_rdma();
+            }
+        }
         Ok(c)
+    }
+
+    /// False once the server has closed this connection after a reply (see `spent`).
+    pub fn reusable(&self) -> bool {
+        !self.spent
     }
 
     /// Bounds every following request on this connection by `deadline`.
@@ -144,6 +172,16 @@ impl Conn {
         body: &[u8],
         payload: &[Buf],
     ) -> Result<(Header, Vec<u8>), ConnError> {
+        self.call_flagged(op, 0, body, payload)
+    }
+
+    fn call_flagged(
+        &mut self,
+        op: Opcode,
+        flags: u32,
+        body: &[u8],
+        payload: &[Buf],
+    ) -> Result<(Header, Vec<u8>), ConnError> {
         let id = self.next_id;
         self.next_id += 1;
         // SAFETY: the caller guarantees each Buf is valid for reads until this call returns.
@@ -151,7 +189,15 @@ impl Conn {
             .iter()
             .map(|b| unsafe { std::slice::from_raw_parts(b.ptr as *const u8, b.len) })
             .collect();
-        proto::io::write_frame(&mut self.link, op, id, body, &values)?;
+        let plen: u64 = values.iter().map(|v| v.len() as u64).sum();
+        let mut hdr = Header::new(op, id, body.len(), plen);
+        hdr.flags = flags;
+        let hdr = hdr.encode();
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(2 + values.len());
+        parts.push(&hdr);
+        parts.push(body);
+        parts.extend_from_slice(&values);
+        proto::io::write_all_vectored(&mut self.link, &parts)?;
         let mut hb = [0u8; HEADER_LEN];
         self.link.read_exact(&mut hb)?;
         let h = Header::decode(&hb)?;
@@ -194,6 +240,9 @@ impl Conn {
     }
 
     pub fn put(&mut self, keys: &[&[u8]], bufs: &[Buf]) -> Result<Vec<Status>, ConnError> {
+        if self.link.rdma().is_some() {
+            return self.rdma_call(Opcode::Put, keys, bufs);
+        }
         let lens: Vec<u64> = bufs.iter().map(|b| b.len as u64).collect();
         let (_, body) = self.call(Opcode::Put, &proto::encode_key_lens(keys, &lens), bufs)?;
         Ok(statuses(proto::decode_statuses(&body, keys.len())?))
@@ -204,6 +253,9 @@ impl Conn {
     /// bytes. An error while an Ok value is arriving (deadline, broken link) leaves that one
     /// buffer partly written; it is never written after this returns.
     pub fn get(&mut self, keys: &[&[u8]], bufs: &[Buf]) -> Result<Vec<Status>, ConnError> {
+        if self.link.rdma().is_some() {
+            return self.rdma_call(Opcode::Get, keys, bufs);
+        }
         let lens: Vec<u64> = bufs.iter().map(|b| b.len as u64).collect();
         let (h, body) = self.call(Opcode::Get, &proto::encode_key_lens(keys, &lens), &[])?;
         let st = proto::decode_status_lens(&body, keys.len())?;
@@ -233,6 +285,60 @@ impl Conn {
             }
         }
         Ok(st.into_iter().map(|(s, _)| s.into()).collect())
+    }
+}
+
+impl Conn {
+    /// PUT or GET over RDMA: descriptors of the caller's buffers go in the request and the
+    /// server moves the bytes before it replies. Any failure without a reply revokes the
+    /// buffers' registrations and closes the endpoint before returning (see `crate::rdma`).
+    fn rdma_call(
+        &mut self,
+        op: Opcode,
+        keys: &[&[u8]],
+        bufs: &[Buf],
+    ) -> Result<Vec<Status>, ConnError> {
+        let side = self.link.rdma().expect("checked by the caller");
+        let (descs, held) = side.describe(bufs)?;
+        let body = proto::encode_descriptors(keys, &descs);
+        let r = self
+            .call_flagged(op, proto::FLAG_RDMA, &body, &[])
+            .and_then(|(h, rb)| {
+                if h.payload_len != 0 {
+                    return Err(proto::ProtoError::Malformed("payload in an RDMA reply").into());
+                }
+                let st: Vec<Status> = if op == Opcode::Put {
+                    statuses(proto::decode_statuses(&rb, keys.len())?)
+                } else {
+                    let sl = proto::decode_status_lens(&rb, keys.len())?;
+                    if sl
+                        .iter()
+                        .zip(bufs)
+                        .any(|((s, n), b)| *s == proto::Status::Ok && *n != b.len as u64)
+                    {
+                        return Err(proto::ProtoError::Malformed(
+                            "GET reply length differs from request",
+                        )
+                        .into());
+                    }
+                    sl.into_iter().map(|(s, _)| s.into()).collect()
+                };
+                Ok(st)
+            });
+        match r {
+            Ok(st) => {
+                self.spent = st.contains(&Status::RemoteAccess);
+                drop(held);
+                Ok(st)
+            }
+            Err(e) => {
+                if let Some(side) = self.link.rdma() {
+                    side.revoke(bufs);
+                }
+                drop(held);
+                Err(e)
+            }
+        }
     }
 }
 

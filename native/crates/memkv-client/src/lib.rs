@@ -17,6 +17,7 @@ pub mod conn;
 pub mod exec;
 pub mod placement;
 pub mod pool;
+pub mod rdma;
 pub mod status;
 pub mod transport;
 
@@ -36,9 +37,11 @@ use transport::{Tcp, Transport};
 pub enum TransportChoice {
     #[default]
     Tcp,
-    /// RDMA only; refused at client creation until a build has an RDMA transport.
+    /// RDMA only: client creation fails when libfabric or its provider cannot be opened, and
+    /// a connection fails when its server refuses RDMA.
     Rdma,
-    /// RDMA where a usable device exists, else TCP (always TCP in this build).
+    /// RDMA when libfabric and a provider open (else TCP, with one log line saying why); a
+    /// server that refuses RDMA gets that connection's values over TCP.
     Auto,
 }
 
@@ -54,8 +57,12 @@ pub struct ClientConfig {
     /// Threads running submitted (asynchronous) operations.
     pub io_threads: usize,
     pub transport: TransportChoice,
-    /// RDMA devices to use (empty = all); only meaningful with an RDMA transport.
+    /// RDMA devices to use (empty = all); only meaningful with an RDMA transport. For
+    /// libfabric these are domain names (`mlx5_0`; for the tcp provider, interfaces: `lo`).
     pub rdma_devices: Vec<String>,
+    /// libfabric provider (`verbs`, `efa`, `tcp`); None: `MEMKV_RDMA_PROVIDER`, else the first
+    /// provider libfabric offers.
+    pub rdma_provider: Option<String>,
 }
 
 impl Default for ClientConfig {
@@ -69,6 +76,7 @@ impl Default for ClientConfig {
             io_threads: 8,
             transport: TransportChoice::Tcp,
             rdma_devices: Vec::new(),
+            rdma_provider: None,
         }
     }
 }
@@ -139,22 +147,36 @@ impl Client {
             ids.push(c);
         }
         cfg.servers = ids.clone();
+        let provider = cfg.rdma_provider.clone().or_else(|| {
+            std::env::var("MEMKV_RDMA_PROVIDER")
+                .ok()
+                .filter(|p| !p.is_empty())
+        });
         let transport: Arc<dyn Transport> = match cfg.transport {
             TransportChoice::Tcp => Arc::new(Tcp),
-            TransportChoice::Rdma => {
-                return Err(
-                    "transport 'rdma' is not available: this build of memkv has the TCP \
-                     transport only; use 'tcp', or 'auto' to use RDMA once a build provides it"
-                        .into(),
-                )
-            }
+            TransportChoice::Rdma => Arc::new(
+                rdma::Rdma::open(provider.as_deref(), &cfg.rdma_devices, true)
+                    .map_err(|e| format!("transport 'rdma': {e}"))?,
+            ),
             TransportChoice::Auto => {
-                static SAID: Once = Once::new();
-                SAID.call_once(|| {
-                    tracing::info!(rdma_devices = ?cfg.rdma_devices,
-                        "memkv transport 'auto': this build has no RDMA transport; using TCP");
-                });
-                Arc::new(Tcp)
+                match rdma::Rdma::open(provider.as_deref(), &cfg.rdma_devices, false) {
+                    Ok(r) => {
+                        tracing::info!(
+                            provider = r.provider(),
+                            domain = r.domain(),
+                            "memkv transport 'auto': using RDMA"
+                        );
+                        Arc::new(r)
+                    }
+                    Err(e) => {
+                        static SAID: Once = Once::new();
+                        SAID.call_once(|| {
+                            tracing::info!(rdma_devices = ?cfg.rdma_devices, reason = %e,
+                                "memkv transport 'auto': no usable RDMA; using TCP");
+                        });
+                        Arc::new(Tcp)
+                    }
+                }
             }
         };
         let pc = Arc::new(PoolConfig {
@@ -367,7 +389,11 @@ impl Client {
                         }
                     }
                     if broken.is_none() {
-                        pool.release(conn);
+                        if conn.reusable() {
+                            pool.release(conn);
+                        } else {
+                            pool.discard(conn);
+                        }
                     }
                 }
             }

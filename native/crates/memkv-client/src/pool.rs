@@ -108,6 +108,10 @@ impl Pool {
     ) -> Result<T, PoolError> {
         let mut conn = self.acquire(deadline)?;
         match f(&mut conn) {
+            Ok(v) if !conn.reusable() => {
+                self.discard(conn);
+                Ok(v)
+            }
             Ok(v) => {
                 self.release(conn);
                 Ok(v)
@@ -181,6 +185,14 @@ impl Pool {
         if came_back {
             tracing::info!(server = %self.addr, down_ms, "memkv server answers again");
         }
+    }
+
+    /// Drops a connection that worked but cannot be reused (the server closed it after its
+    /// reply); the server stays up.
+    pub fn discard(&self, conn: Conn) {
+        drop(conn);
+        self.state.lock().unwrap().open -= 1;
+        self.freed.notify_one();
     }
 
     /// Drops the connection `err` happened on (its stream is in an unknown state) and marks the

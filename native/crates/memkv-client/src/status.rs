@@ -1,6 +1,6 @@
 //! What happened to one key: the server's per-key status, or why the client has none.
 //!
-//! Numbers 0..=8 are the wire statuses (`memkv_proto::Status`) with the same meaning and value;
+//! Numbers 0..=9 are the wire statuses (`memkv_proto::Status`) with the same meaning and value;
 //! 16 and up are outcomes only the client can produce. The gap leaves room for new wire statuses.
 
 use std::fmt;
@@ -28,6 +28,10 @@ pub enum Status {
     InvalidKey = 7,
     /// EXISTS with a lease: found, but the lane's leased-bytes bound is reached, so no lease.
     OkNoLease = 8,
+    /// PUT or GET over RDMA: the server's read or write of this key's buffer failed (its
+    /// registration was revoked or does not cover it, or our endpoint went away). PUT: not
+    /// stored. GET: the buffer may hold part of the value.
+    RemoteAccess = 9,
     /// The operation's deadline (`op_timeout`) passed before this key's answer arrived.
     Timeout = 16,
     /// The server refused the TCP connection (nothing listens on the address).
@@ -40,7 +44,7 @@ pub enum Status {
 
 impl Status {
     /// Every status, in numeric order.
-    pub const ALL: [Status; 13] = [
+    pub const ALL: [Status; 14] = [
         Status::Ok,
         Status::NotFound,
         Status::LengthMismatch,
@@ -50,6 +54,7 @@ impl Status {
         Status::Corrupt,
         Status::InvalidKey,
         Status::OkNoLease,
+        Status::RemoteAccess,
         Status::Timeout,
         Status::Refused,
         Status::AuthFailed,
@@ -73,6 +78,7 @@ impl Status {
             Status::Corrupt => "CORRUPT",
             Status::InvalidKey => "INVALID_KEY",
             Status::OkNoLease => "OK_NO_LEASE",
+            Status::RemoteAccess => "REMOTE_ACCESS",
             Status::Timeout => "TIMEOUT",
             Status::Refused => "REFUSED",
             Status::AuthFailed => "AUTH_FAILED",
@@ -100,6 +106,7 @@ impl From<memkv_proto::Status> for Status {
             W::Corrupt => Status::Corrupt,
             W::InvalidKey => Status::InvalidKey,
             W::OkNoLease => Status::OkNoLease,
+            W::RemoteAccess => Status::RemoteAccess,
         }
     }
 }
@@ -116,6 +123,6 @@ mod tests {
             }
         }
         let nums: Vec<u8> = Status::ALL.iter().map(|s| *s as u8).collect();
-        assert_eq!(nums, [0, 1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 18, 19]);
+        assert_eq!(nums, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 18, 19]);
     }
 }

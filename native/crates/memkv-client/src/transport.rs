@@ -1,6 +1,6 @@
 //! The byte streams the client speaks its protocol over. `Conn` frames requests on any `Link`;
-//! a transport only opens links. TCP is the one implementation today; an RDMA transport adds a
-//! `Transport` (and, for its data path, a `Link`) without touching placement, pools or batching.
+//! a transport only opens links. TCP is one; RDMA (`crate::rdma`) is a TCP link plus a libfabric
+//! endpoint that the server reads and writes caller memory through.
 
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
@@ -11,6 +11,13 @@ use std::time::{Duration, Instant};
 /// trickles its bytes: the deadline bounds the whole operation, not each system call.
 pub trait Link: Read + Write + Send {
     fn set_deadline(&mut self, deadline: Instant);
+    /// The RDMA half of the link, when it has one (values then move by the server's one-sided
+    /// reads and writes of caller memory instead of over this stream).
+    fn rdma(&mut self) -> Option<&mut crate::rdma::RdmaSide> {
+        None
+    }
+    /// Gives the RDMA half up: values go over the stream (a server that refused RDMA).
+    fn drop_rdma(&mut self) {}
 }
 
 /// Opens links to servers.
@@ -43,17 +50,23 @@ impl Transport for Tcp {
     }
 
     fn connect(&self, addr: &str, deadline: Instant) -> io::Result<Box<dyn Link>> {
+        Ok(Box::new(self.connect_tcp(addr, deadline)?))
+    }
+}
+
+impl Tcp {
+    pub(crate) fn connect_tcp(&self, addr: &str, deadline: Instant) -> io::Result<TcpLink> {
         let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{addr}: no address"));
         for sa in addr.to_socket_addrs()? {
             match TcpStream::connect_timeout(&sa, left(deadline, Instant::now())?) {
                 Ok(stream) => {
                     stream.set_nodelay(true)?;
-                    return Ok(Box::new(TcpLink {
+                    return Ok(TcpLink {
                         stream,
                         deadline,
                         read_armed: None,
                         write_armed: None,
-                    }));
+                    });
                 }
                 Err(e) => last = e,
             }
@@ -66,7 +79,7 @@ impl Transport for Tcp {
 /// overshoots by at most this much, and a bulk transfer makes no extra system call per read.
 const REARM_AFTER: Duration = Duration::from_millis(5);
 
-struct TcpLink {
+pub(crate) struct TcpLink {
     stream: TcpStream,
     deadline: Instant,
     /// When the read / write socket timeout was last set to the time left.
@@ -75,6 +88,14 @@ struct TcpLink {
 }
 
 impl TcpLink {
+    pub(crate) fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    pub(crate) fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
     /// Makes the next blocking call on the socket return by the deadline (plus `REARM_AFTER`).
     fn arm(&mut self, read: bool) -> io::Result<()> {
         let now = Instant::now();

@@ -394,11 +394,6 @@ fn server_spellings_are_canonicalised_before_placement() {
         ..ClientConfig::default()
     });
     assert!(dup.err().unwrap().contains("listed twice"));
-    let rdma = Client::new(ClientConfig {
-        transport: memkv_client::TransportChoice::Rdma,
-        ..ClientConfig::default()
-    });
-    assert!(rdma.err().unwrap().contains("TCP transport only"));
 }
 
 fn fuzz_server() -> &'static (Server, Arc<Client>) {

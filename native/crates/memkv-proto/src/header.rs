@@ -6,7 +6,8 @@
 //! ```
 //! All integers are little-endian. `body_len` counts the control body that follows the header;
 //! `payload_len` counts the bulk bytes after the body (PUT values, GET reply values).
-//! `reserved` must be zero in version 1; it and the flag bits leave room for RDMA descriptors.
+//! `reserved` must be zero in version 1. The one flag, `FLAG_RDMA`, marks a PUT or GET whose
+//! body carries RDMA descriptors instead of values moving in the payload.
 
 use crate::{ProtoError, MAX_BODY_LEN};
 
@@ -15,8 +16,12 @@ pub const VERSION: u8 = 1;
 pub const HEADER_LEN: usize = 32;
 /// Reply opcodes are the request opcode with this bit set.
 pub const REPLY_BIT: u8 = 0x80;
-/// Flags understood by version 1 (none yet).
-pub const KNOWN_FLAGS: u32 = 0;
+/// PUT or GET over RDMA: each key's table entry carries a descriptor of the client's memory
+/// (`crate::Descriptor`) and no value travels in the payload; the server reads (PUT) or writes
+/// (GET) the client's memory itself before it replies.
+pub const FLAG_RDMA: u32 = 1;
+/// Flags understood by version 1.
+pub const KNOWN_FLAGS: u32 = FLAG_RDMA;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -29,6 +34,7 @@ pub enum Opcode {
     Get = 0x06,
     Delete = 0x07,
     Stats = 0x08,
+    RdmaHello = 0x09,
     HelloReply = 0x81,
     AuthReply = 0x82,
     Pong = 0x83,
@@ -37,6 +43,7 @@ pub enum Opcode {
     GetReply = 0x86,
     DeleteReply = 0x87,
     StatsReply = 0x88,
+    RdmaHelloReply = 0x89,
     Error = 0xFF,
 }
 
@@ -52,6 +59,7 @@ impl Opcode {
             0x06 => Get,
             0x07 => Delete,
             0x08 => Stats,
+            0x09 => RdmaHello,
             0x81 => HelloReply,
             0x82 => AuthReply,
             0x83 => Pong,
@@ -60,6 +68,7 @@ impl Opcode {
             0x86 => GetReply,
             0x87 => DeleteReply,
             0x88 => StatsReply,
+            0x89 => RdmaHelloReply,
             0xFF => Error,
             _ => return None,
         })
@@ -132,10 +141,14 @@ impl Header {
             return Err(ProtoError::Malformed("reserved header bytes are not zero"));
         }
         let payload_len = u64::from_le_bytes(b[24..32].try_into().unwrap());
-        if payload_len != 0 && !opcode.has_payload() {
+        if payload_len != 0 && (!opcode.has_payload() || flags & FLAG_RDMA != 0) {
             return Err(ProtoError::Malformed(
                 "payload on an opcode that takes none",
             ));
+        }
+        if flags & FLAG_RDMA != 0 && !matches!(opcode, Opcode::Put | Opcode::Get | Opcode::GetReply)
+        {
+            return Err(ProtoError::BadFlags(flags));
         }
         Ok(Header {
             opcode,
@@ -176,6 +189,27 @@ mod tests {
             Header::decode(&b),
             Err(ProtoError::BodyTooLarge(_))
         ));
+    }
+
+    #[test]
+    fn the_rdma_flag_fits_put_and_get_only_and_forbids_a_payload() {
+        let mut h = Header::new(Opcode::Get, 3, 10, 0);
+        h.flags = FLAG_RDMA;
+        assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+        h.opcode = Opcode::Exists;
+        assert_eq!(
+            Header::decode(&h.encode()),
+            Err(ProtoError::BadFlags(FLAG_RDMA))
+        );
+        let mut p = Header::new(Opcode::Put, 3, 10, 5);
+        p.flags = FLAG_RDMA;
+        assert!(
+            Header::decode(&p.encode()).is_err(),
+            "values travel by RDMA, not inline"
+        );
+        let mut b = Header::new(Opcode::Put, 3, 10, 0);
+        b.flags = 2;
+        assert_eq!(Header::decode(&b.encode()), Err(ProtoError::BadFlags(2)));
     }
 
     proptest! {

@@ -6,9 +6,11 @@
 pub mod body;
 pub mod header;
 pub mod io;
+pub mod rdma;
 
 pub use body::*;
 pub use header::*;
+pub use rdma::*;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -45,6 +47,10 @@ pub enum Status {
     InvalidKey = 7,
     /// EXISTS with a lease: found, but the lane's leased-bytes bound is reached, so no lease.
     OkNoLease = 8,
+    /// PUT or GET over RDMA: the server's read or write of the client's memory failed (a
+    /// descriptor the client's registration does not cover, a revoked registration, or the
+    /// client's endpoint gone). PUT: nothing stored. GET: the buffer may hold part of the value.
+    RemoteAccess = 9,
 }
 
 impl Status {
@@ -60,6 +66,7 @@ impl Status {
             6 => Corrupt,
             7 => InvalidKey,
             8 => OkNoLease,
+            9 => RemoteAccess,
             _ => return None,
         })
     }

@@ -141,6 +141,8 @@ impl PyClient {
             io_threads,
             transport: transport_choice(transport)?,
             rdma_devices,
+            // The provider comes from MEMKV_RDMA_PROVIDER (else libfabric's first).
+            rdma_provider: None,
         };
         let inner = no_panic(|| Client::new(cfg))?.map_err(PyValueError::new_err)?;
         Ok(PyClient { inner })
@@ -419,6 +421,45 @@ fn cli_main(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
     py.detach(|| no_panic(|| memkv_cli::run(argv)))
 }
 
+/// Direct mode's `memkv_scratch_medium: auto` for the GPU at PCI address `gpu` (`0000:1b:00.0`,
+/// or nvidia-smi's `00000000:1B:00.0`): `(True, reason)` when a NIC (narrowed to `rdma_devices`,
+/// empty = all) shares the GPU's PCIe switch and the fabric provider reaches device memory
+/// through it, else `(False, reason)`. ValueError for a malformed address or an unknown device
+/// name; a host whose sysfs cannot be read gets `(False, reason)`.
+#[pyfunction]
+#[pyo3(signature = (gpu, rdma_devices=Vec::new(), sysfs="/sys"))]
+fn gpu_scratch_verdict(
+    py: Python<'_>,
+    gpu: &str,
+    rdma_devices: Vec<String>,
+    sysfs: &str,
+) -> PyResult<(bool, String)> {
+    let v = py.detach(|| {
+        no_panic(|| {
+            memkv_cli::net::gpu_scratch_verdict(std::path::Path::new(sysfs), gpu, &rdma_devices)
+        })
+    })?;
+    v.map(|v| (v.gpu, v.reason)).map_err(PyValueError::new_err)
+}
+
+/// The NIC the rank of the GPU at PCI address `gpu` uses (nearest by PCIe topology among the
+/// NICs narrowed to `rdma_devices`, empty = all) as `(name, proximity)`, e.g.
+/// `("mlx5_2", "same PCIe switch")`; None when sysfs lists no GPU there or no NIC. ValueError for
+/// a malformed address, an unknown device name or an unreadable sysfs.
+#[pyfunction]
+#[pyo3(signature = (gpu, rdma_devices=Vec::new(), sysfs="/sys"))]
+fn nic_for_gpu(
+    py: Python<'_>,
+    gpu: &str,
+    rdma_devices: Vec<String>,
+    sysfs: &str,
+) -> PyResult<Option<(String, &'static str)>> {
+    py.detach(|| {
+        no_panic(|| memkv_cli::net::nic_for_gpu(std::path::Path::new(sysfs), gpu, &rdma_devices))
+    })?
+    .map_err(PyValueError::new_err)
+}
+
 /// (name, number) of every client outcome, so the Python enum can be checked against them.
 #[pyfunction]
 fn statuses() -> Vec<(&'static str, u8)> {
@@ -437,6 +478,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(canonical_server, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(statuses, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_scratch_verdict, m)?)?;
+    m.add_function(wrap_pyfunction!(nic_for_gpu, m)?)?;
     m.add("MAX_KEY_LEN", memkv_proto::MAX_KEY_LEN)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

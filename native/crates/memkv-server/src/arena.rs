@@ -123,6 +123,11 @@ impl LaneMemory {
         self.region.len() as u64 / ALIGN * ALIGN
     }
 
+    /// Start and length of the whole region, for one RDMA registration covering every span.
+    pub fn range(&self) -> (usize, usize) {
+        (self.region.base as usize, self.region.len)
+    }
+
     pub fn used(&self) -> u64 {
         self.free.lock().unwrap().used
     }

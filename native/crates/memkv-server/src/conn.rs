@@ -17,6 +17,7 @@ use memkv_proto::{self as proto, ErrorCode, Header, HelloReply, Opcode, ProtoErr
 
 use crate::frame::{FrameIo, ReadEnd, Timing};
 use crate::limits::{BudgetShare, ByteBudget, Permit, WarnLimiter};
+use crate::rdma::{RdmaPeer, ServerFabric};
 use crate::store::Store;
 use crate::transport::Transport;
 use crate::verify::Verifier;
@@ -33,6 +34,8 @@ pub struct ConnCtx {
     pub verifier: Verifier,
     /// Warnings a peer can cause (bad frames, refusals) go through this.
     pub warn: WarnLimiter,
+    /// The RDMA data path, when the server runs with it (`--rdma`).
+    pub rdma: Option<Arc<ServerFabric>>,
 }
 
 /// Why a connection ends early; all but `Closed` and `Io` are answered with an error frame
@@ -86,6 +89,8 @@ pub(crate) struct Conn<'a, T: Transport> {
     greeted: bool,
     authed: bool,
     handshake_until: Instant,
+    /// This connection's RDMA endpoint, once the client's RDMA_HELLO was accepted.
+    pub(crate) rdma: Option<RdmaPeer>,
 }
 
 /// Serves one connection until it closes; `permit` is its slot, freed when this returns.
@@ -99,6 +104,7 @@ pub fn serve<T: Transport>(t: T, ctx: &ConnCtx, permit: Permit) {
         greeted: false,
         authed: ctx.auth_key.is_none(),
         handshake_until: Instant::now() + ctx.handshake_timeout,
+        rdma: None,
     };
     let m = &ctx.store.metrics;
     let (code, msg, kind) = match c.run() {
@@ -267,6 +273,10 @@ impl<'a, T: Transport> Conn<'a, T> {
             Opcode::Stats => self.reply(h, store.stats_json().as_bytes()),
             Opcode::Exists => self.exists(h, body, deadline),
             Opcode::Delete => self.delete(h, body, deadline),
+            Opcode::RdmaHello => self.rdma_hello(h, body),
+            Opcode::Put | Opcode::Get if h.flags & proto::FLAG_RDMA != 0 => {
+                self.rdma_transfer(h, body, deadline)
+            }
             Opcode::Put => self.put(h, body, deadline),
             Opcode::Get => self.get(h, body, deadline),
             _ => Err(ProtoError::Malformed("a reply opcode sent as a request").into()),

@@ -208,6 +208,11 @@ impl Lane {
         self.mem.capacity()
     }
 
+    /// The lane's memory (start, length): every value's bytes lie inside it.
+    pub fn memory_range(&self) -> (usize, usize) {
+        self.mem.range()
+    }
+
     /// The largest value a key of `key_len` bytes can have here, its index charge included.
     pub fn max_value_len(&self, key_len: usize) -> u64 {
         // Less one alignment unit, the most `footprint` rounds a value up.

@@ -13,6 +13,7 @@ pub mod frame;
 pub mod lane;
 pub mod limits;
 pub mod metrics;
+pub mod rdma;
 pub mod server;
 pub mod store;
 pub mod transport;

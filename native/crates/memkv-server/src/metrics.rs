@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use crate::lane::LaneStats;
 
 /// Error kinds counted separately; each is a label value of `memkv_errors_total`.
-pub const ERROR_KINDS: [&str; 15] = [
+pub const ERROR_KINDS: [&str; 17] = [
     "bad_magic",
     "bad_version",
     "malformed",
@@ -27,6 +27,10 @@ pub const ERROR_KINDS: [&str; 15] = [
     "pin_denied",
     // A connection refused because every slot was taken by an authenticated one.
     "connection_limit",
+    // RDMA: an RDMA_HELLO refused (RDMA off, other provider, client endpoint unreachable), and
+    // a read or write of client memory that failed (bad descriptor, revoked key, client gone).
+    "rdma_refused",
+    "rdma_remote",
 ];
 
 #[derive(Default)]

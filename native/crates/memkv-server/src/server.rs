@@ -13,6 +13,7 @@ use memkv_proto::{self as proto, ErrorCode, Opcode};
 use crate::conn::{self, ConnCtx};
 use crate::frame::Timing;
 use crate::limits::{ByteBudget, ConnLimits, WarnLimiter};
+use crate::rdma::{RdmaConfig, ServerFabric};
 use crate::store::Store;
 use crate::transport::{TcpTransport, Transport};
 use crate::verify::Verifier;
@@ -45,6 +46,8 @@ pub struct ServerConfig {
     pub buffer_budget: Option<u64>,
     /// How long shutdown waits for open connections to finish their requests.
     pub drain_timeout: Duration,
+    /// Serve the RDMA data path too (libfabric, loaded now); None: TCP only.
+    pub rdma: Option<RdmaConfig>,
 }
 
 impl Default for ServerConfig {
@@ -62,6 +65,7 @@ impl Default for ServerConfig {
             handshake_timeout: Duration::from_secs(10),
             buffer_budget: None,
             drain_timeout: Duration::from_secs(10),
+            rdma: None,
         }
     }
 }
@@ -112,6 +116,12 @@ impl Server {
             )
         })?;
         let store = Arc::new(store);
+        let rdma = cfg
+            .rdma
+            .as_ref()
+            .map(|c| ServerFabric::open(c, &store))
+            .transpose()?
+            .map(Arc::new);
         let listener = TcpListener::bind(&listen[..])?;
         // A deeper accept queue than std's 128 (the kernel caps it at somaxconn): a burst of
         // connections from an attacker must not make a client's SYN wait for a retransmit.
@@ -135,6 +145,7 @@ impl Server {
             budget: ByteBudget::new(budget),
             verifier: Verifier::new(std::thread::available_parallelism().map_or(1, |n| n.get()))?,
             warn: WarnLimiter::new(10, Duration::from_secs(10)),
+            rdma,
         });
         let limits = ConnLimits::new(cfg.max_connections, store.metrics.clone());
         let mut threads = Vec::new();

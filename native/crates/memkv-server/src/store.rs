@@ -81,6 +81,11 @@ impl Store {
         self.lane(key).delete(key)
     }
 
+    /// Every lane's memory (start, length), for RDMA registration.
+    pub fn memory_ranges(&self) -> Vec<(usize, usize)> {
+        self.lanes.iter().map(Lane::memory_range).collect()
+    }
+
     pub fn lane_count(&self) -> usize {
         self.lanes.len()
     }

@@ -26,19 +26,25 @@ const SEND_BATCH: usize = 1 << 20;
 
 /// Buffer bytes a value's chunk costs while its reply is sent: its place in the send order and
 /// in the verifier's list, and its check's state.
-const PER_CHUNK: u64 = 48;
+pub(super) const PER_CHUNK: u64 = 48;
 
-impl<T: Transport> Conn<'_, T> {
-    pub(crate) fn get(&mut self, h: &Header, body: &[u8], deadline: Instant) -> Result<(), End> {
-        let _share = self.key_share(body, 0, deadline)?;
-        let items = proto::decode_key_lens(body)?;
-        let ctx = self.ctx;
-        let store = &*ctx.store;
+/// A pinned GET hit: its index in the request, its key and its value.
+pub(crate) type Hit<'k, 'a> = (usize, &'k [u8], Pinned<'a>);
+
+impl<'a, T: Transport> Conn<'a, T> {
+    /// Looks each (key, expected length) up and pins the hits that have that length. Returns
+    /// each key's (status, length) for the reply table, and the pinned hits with their index.
+    /// A key named again answers NOT_FOUND; a hit the lane cannot pin now answers NOT_FOUND.
+    pub(crate) fn lookup<'k>(
+        &self,
+        items: impl Iterator<Item = (&'k [u8], u64)>,
+    ) -> (Vec<(Status, u64)>, Vec<Hit<'k, 'a>>) {
+        let store = &*self.ctx.store;
         let m = &store.metrics;
-        let mut st = Vec::with_capacity(items.len());
-        let mut vals: Vec<(&[u8], Pinned)> = Vec::with_capacity(items.len());
-        let mut seen: HashSet<&[u8]> = HashSet::with_capacity(items.len());
-        for (key, want) in items {
+        let mut st = Vec::with_capacity(items.size_hint().0);
+        let mut vals = Vec::with_capacity(items.size_hint().0);
+        let mut seen: HashSet<&[u8]> = HashSet::with_capacity(items.size_hint().0);
+        for (i, (key, want)) in items.enumerate() {
             let found = if seen.insert(key) {
                 store.fetch_verified(key)
             } else {
@@ -46,7 +52,7 @@ impl<T: Transport> Conn<'_, T> {
             };
             let s = match found {
                 Ok(v) if v.span.len() == want => {
-                    vals.push((key, v));
+                    vals.push((i, key, v));
                     Status::Ok
                 }
                 Ok(v) => {
@@ -64,6 +70,17 @@ impl<T: Transport> Conn<'_, T> {
             (if s == Status::Ok { &m.hits } else { &m.misses }).fetch_add(1, Ordering::Relaxed);
             st.push((s, len));
         }
+        (st, vals)
+    }
+
+    pub(crate) fn get(&mut self, h: &Header, body: &[u8], deadline: Instant) -> Result<(), End> {
+        let _share = self.key_share(body, 0, deadline)?;
+        let items = proto::decode_key_lens(body)?;
+        let ctx = self.ctx;
+        let store = &*ctx.store;
+        let m = &store.metrics;
+        let (st, found) = self.lookup(items.iter().map(|(k, n)| (*k, *n)));
+        let vals: Vec<(&[u8], Pinned)> = found.into_iter().map(|(_, k, v)| (k, v)).collect();
         let total: u64 = vals.iter().map(|(_, v)| v.span.len()).sum();
         let chunks: usize = vals.iter().map(|(_, v)| v.chunks()).sum();
         let Some(_chunk_share) = self.take(chunks as u64 * PER_CHUNK, deadline) else {

@@ -5,6 +5,7 @@ mod delete;
 mod exists;
 mod get;
 mod put;
+mod rdma;
 
 use std::time::Instant;
 

@@ -1,0 +1,182 @@
+//! The raw layer: libfabric's exported functions found with dlopen at first use, and the C shim
+//! (csrc/shim.c) that reaches the rest of libfabric through the headers' inline functions.
+//!
+//! Why a C shim rather than hand-written `#[repr(C)]` structs: most of libfabric's API
+//! (fi_domain, fi_endpoint, fi_mr_reg, fi_read, fi_write, fi_cq_read, fi_close, ...) is static
+//! inline code in the headers calling through ops tables, so Rust would need exact copies of
+//! `fi_info`, its six attribute structs and every ops table, kept in step with the headers by
+//! hand. Compiled against the real (vendored, BSD-licensed) headers, the shim gets every layout
+//! from the compiler and stays a few dozen one-line functions.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::OnceLock;
+
+/// Opaque libfabric objects; only pointers to them cross the boundary.
+#[repr(C)]
+pub struct FiInfo {
+    _p: [u8; 0],
+}
+pub type Fid = *mut c_void;
+
+/// The exported libfabric functions the shim needs (field order matches `struct mk_api`).
+#[repr(C)]
+pub struct Api {
+    pub getinfo: unsafe extern "C" fn(
+        u32,
+        *const c_char,
+        *const c_char,
+        u64,
+        *const FiInfo,
+        *mut *mut FiInfo,
+    ) -> c_int,
+    pub freeinfo: unsafe extern "C" fn(*mut FiInfo),
+    pub dupinfo: unsafe extern "C" fn(*const FiInfo) -> *mut FiInfo,
+    pub fabric: unsafe extern "C" fn(*mut c_void, *mut Fid, *mut c_void) -> c_int,
+}
+
+/// libfabric, loaded: the functions above plus `fi_strerror` for messages.
+pub struct Lib {
+    pub api: Api,
+    strerror: unsafe extern "C" fn(c_int) -> *const c_char,
+    pub version: u32,
+    /// Keeps the library mapped for as long as the process runs.
+    _lib: libloading::Library,
+}
+
+/// The library file: the ABI-1 soname every distribution ships.
+pub const LIBFABRIC: &str = "libfabric.so.1";
+
+impl Lib {
+    /// libfabric, loaded once per process at the first call; the error (library missing, or
+    /// without a function we need) is returned to every caller.
+    pub fn get() -> Result<&'static Lib, String> {
+        static LIB: OnceLock<Result<Lib, String>> = OnceLock::new();
+        LIB.get_or_init(Lib::load).as_ref().map_err(Clone::clone)
+    }
+
+    fn load() -> Result<Lib, String> {
+        // SAFETY: loading libfabric runs its constructors, which only initialise the library.
+        let lib = unsafe { libloading::Library::new(LIBFABRIC) }
+            .map_err(|e| format!("cannot load {LIBFABRIC} (install libfabric1): {e}"))?;
+        // SAFETY: each symbol is looked up with the C signature the libfabric 1.x ABI gives it.
+        unsafe {
+            let sym = |name: &str| format!("{LIBFABRIC} has no {name}");
+            let version: libloading::Symbol<unsafe extern "C" fn() -> u32> =
+                lib.get(b"fi_version\0").map_err(|_| sym("fi_version"))?;
+            let api = Api {
+                getinfo: *lib.get(b"fi_getinfo\0").map_err(|_| sym("fi_getinfo"))?,
+                freeinfo: *lib.get(b"fi_freeinfo\0").map_err(|_| sym("fi_freeinfo"))?,
+                dupinfo: *lib.get(b"fi_dupinfo\0").map_err(|_| sym("fi_dupinfo"))?,
+                fabric: *lib.get(b"fi_fabric\0").map_err(|_| sym("fi_fabric"))?,
+            };
+            let strerror = *lib.get(b"fi_strerror\0").map_err(|_| sym("fi_strerror"))?;
+            let version = version();
+            Ok(Lib {
+                api,
+                strerror,
+                version,
+                _lib: lib,
+            })
+        }
+    }
+
+    /// libfabric's text for an error code (positive or negative).
+    pub fn strerror(&self, code: i32) -> String {
+        // SAFETY: fi_strerror returns a static NUL-terminated string for any code.
+        unsafe { CStr::from_ptr((self.strerror)(code.abs())) }
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+/// The C string at `p`, or "" for NULL.
+///
+/// # Safety
+/// `p` is NULL or a NUL-terminated string valid for the call.
+pub unsafe fn cstr(p: *const c_char) -> String {
+    if p.is_null() {
+        String::new()
+    } else {
+        CStr::from_ptr(p).to_string_lossy().into_owned()
+    }
+}
+
+extern "C" {
+    pub fn mk_getinfo(api: *const Api, prov: *const c_char, out: *mut *mut FiInfo) -> c_int;
+    pub fn mk_info_next(info: *const FiInfo) -> *mut FiInfo;
+    pub fn mk_info_prov(info: *const FiInfo) -> *const c_char;
+    pub fn mk_info_domain(info: *const FiInfo) -> *const c_char;
+    pub fn mk_info_fabric(info: *const FiInfo) -> *const c_char;
+    pub fn mk_info_mr_mode(info: *const FiInfo) -> u64;
+    pub fn mk_info_tx_size(info: *const FiInfo) -> usize;
+    pub fn mk_info_max_msg(info: *const FiInfo) -> usize;
+    pub fn mk_info_key_size(info: *const FiInfo) -> usize;
+    pub fn mk_open_domain(
+        api: *const Api,
+        info: *mut FiInfo,
+        fabric: *mut Fid,
+        domain: *mut Fid,
+    ) -> c_int;
+    pub fn mk_open_ep(
+        domain: Fid,
+        info: *mut FiInfo,
+        ep: *mut Fid,
+        cq: *mut Fid,
+        av: *mut Fid,
+        wait_fd: *mut c_int,
+    ) -> c_int;
+    pub fn mk_close(fid: Fid) -> c_int;
+    pub fn mk_getname(ep: Fid, addr: *mut c_void, len: *mut usize) -> c_int;
+    pub fn mk_av_insert(av: Fid, addr: *const c_void, fi_addr: *mut u64) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    pub fn mk_mr_reg(
+        domain: Fid,
+        buf: *mut c_void,
+        len: usize,
+        access: u64,
+        requested_key: u64,
+        mr: *mut Fid,
+        desc: *mut *mut c_void,
+        key: *mut u64,
+    ) -> c_int;
+    pub fn mk_access_local_read() -> u64;
+    pub fn mk_access_local_write() -> u64;
+    pub fn mk_access_remote_read() -> u64;
+    pub fn mk_access_remote_write() -> u64;
+    pub fn mk_mr_virt_addr() -> u64;
+    pub fn mk_mr_prov_key() -> u64;
+    pub fn mk_context_size() -> usize;
+    #[allow(clippy::too_many_arguments)]
+    pub fn mk_read(
+        ep: Fid,
+        buf: *mut c_void,
+        len: usize,
+        desc: *mut c_void,
+        src: u64,
+        addr: u64,
+        key: u64,
+        ctx: *mut c_void,
+    ) -> isize;
+    #[allow(clippy::too_many_arguments)]
+    pub fn mk_write(
+        ep: Fid,
+        buf: *const c_void,
+        len: usize,
+        desc: *mut c_void,
+        dest: u64,
+        addr: u64,
+        key: u64,
+        ctx: *mut c_void,
+    ) -> isize;
+    pub fn mk_cq_read(
+        cq: Fid,
+        contexts: *mut *mut c_void,
+        count: usize,
+        err_context: *mut *mut c_void,
+        err: *mut c_int,
+        prov_errno: *mut c_int,
+    ) -> isize;
+    pub fn mk_trywait(fabric: Fid, cq: Fid) -> c_int;
+    pub fn mk_eagain() -> c_int;
+    pub fn mk_eavail() -> c_int;
+}

@@ -1,0 +1,140 @@
+//! The one-sided path over a real libfabric provider on loopback (tcp, as CI runs it): remote
+//! reads and writes between two endpoints, per-operation errors for bad descriptors, and no
+//! access after a registration is revoked. Needs libfabric1 (the repo's setup installs it).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use memkv_fabric::{Endpoint, Fabric, MrCache, Rma};
+
+fn fabric() -> Arc<Fabric> {
+    Fabric::open(Some("tcp"), &["lo".to_string()]).expect("libfabric tcp provider on lo")
+}
+
+/// The passive side: an endpoint whose memory the other one reads and writes, progressed by a
+/// thread until the returned guard drops.
+struct Passive {
+    name: Vec<u8>,
+    stop: Arc<AtomicBool>,
+    t: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Passive {
+    fn start(fab: &Arc<Fabric>) -> Passive {
+        let mut ep = Endpoint::open(fab).unwrap();
+        let name = ep.name().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let t = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                ep.progress().unwrap();
+                ep.wait(Duration::from_millis(5));
+            }
+        });
+        Passive {
+            name,
+            stop,
+            t: Some(t),
+        }
+    }
+}
+
+impl Drop for Passive {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.t.take().unwrap().join().unwrap();
+    }
+}
+
+#[test]
+fn reads_writes_and_refuses_bad_descriptors() {
+    let fab = fabric();
+    let passive = Passive::start(&fab);
+    let cache = MrCache::new(fab.clone(), 8);
+    let mut remote: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+    let rmr = unsafe { cache.get(remote.as_ptr() as usize, remote.len()) }.unwrap();
+    let mut local = vec![0u8; remote.len()];
+    let lmr = unsafe { fab.register(local.as_mut_ptr() as usize, local.len(), false) }.unwrap();
+    // A failed remote operation may end the provider's connection to the peer (tcp does), so
+    // each failure below is followed by a fresh endpoint, as the server does per connection.
+    let open = || {
+        let mut ep = Endpoint::open(&fab).unwrap();
+        let peer = ep.insert_peer(&passive.name).unwrap();
+        (ep, peer)
+    };
+    let (mut ep, peer) = open();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let op = |local: usize, remote_ptr: usize, len: usize, rkey: u64, group: usize| Rma {
+        write: false,
+        local,
+        desc: lmr.desc(),
+        len,
+        remote_addr: rmr.remote_addr(remote_ptr),
+        rkey,
+        group,
+    };
+    let (l, r) = (local.as_mut_ptr() as usize, remote.as_ptr() as usize);
+    // Read all of it in two pieces of one group.
+    let half = remote.len() / 2;
+    let ops = [
+        op(l, r, half, rmr.key, 0),
+        op(l + half, r + half, remote.len() - half, rmr.key, 0),
+    ];
+    let errs = ep.run(peer, &ops, 1, deadline).unwrap();
+    assert!(errs[0].is_none(), "{:?}", errs[0]);
+    assert_eq!(local, remote);
+    // Write back changed bytes.
+    local.iter_mut().for_each(|b| *b = b.wrapping_add(1));
+    let w = [Rma {
+        write: true,
+        ..op(l, r, remote.len(), rmr.key, 0)
+    }];
+    let e = ep.run(peer, &w, 1, deadline).unwrap();
+    assert!(e[0].is_none(), "{:?}", e[0]);
+    assert_eq!(local, remote);
+    // A wrong key fails its group and only its group.
+    let bad = [op(l, r, 64, rmr.key, 0), op(l, r, 64, rmr.key ^ 0x5a5a, 1)];
+    let errs = ep.run(peer, &bad, 2, deadline).unwrap();
+    assert!(errs[1].is_some(), "a wrong key must fail");
+    // Past the registration's end: refused, nothing written.
+    let (mut ep, peer) = open();
+    let before = remote.clone();
+    let over = [Rma {
+        write: true,
+        ..op(l, r + remote.len() - 8, 64, rmr.key, 0)
+    }];
+    let errs = ep.run(peer, &over, 1, deadline).unwrap();
+    assert!(errs[0].is_some(), "out-of-range address must fail");
+    assert_eq!(remote, before);
+    // Revoked: the key opens nothing any more.
+    let (mut ep, peer) = open();
+    cache.invalidate(r + 10, 1);
+    assert!(cache.is_empty());
+    local.fill(9);
+    assert!(ep.run(peer, &w, 1, deadline).unwrap()[0].is_some());
+    assert_eq!(remote, before, "no byte written after the revocation");
+    remote[0] = 0;
+    drop(passive);
+}
+
+#[test]
+fn the_cache_is_bounded_and_reuses_covering_registrations() {
+    let fab = fabric();
+    let cache = MrCache::new(fab, 2);
+    let bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; 8192]).collect();
+    let a = unsafe { cache.get(bufs[0].as_ptr() as usize, 8192) }.unwrap();
+    let inner = unsafe { cache.get(bufs[0].as_ptr() as usize + 100, 50) }.unwrap();
+    assert!(
+        Arc::ptr_eq(&a, &inner),
+        "a buffer inside a registration reuses it"
+    );
+    for b in &bufs[1..] {
+        unsafe { cache.get(b.as_ptr() as usize, b.len()) }.unwrap();
+    }
+    assert_eq!(cache.len(), 2);
+    assert!(
+        !a.revoked(),
+        "held by a transfer: evicted from the cache, not closed"
+    );
+}

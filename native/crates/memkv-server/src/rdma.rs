@@ -1,0 +1,74 @@
+//! The server's side of the RDMA data path (`--rdma`): one libfabric domain with every lane's
+//! memory registered once at start, and per connection an endpoint that reads (PUT) and writes
+//! (GET) the client's registered memory named by the descriptors of a request (`cmd::rdma`).
+//!
+//! The TCP connection stays the control path: handshake, auth, key tables, per-key statuses and
+//! all limits are the same as without RDMA; only the values move by one-sided operations.
+
+use std::io;
+use std::sync::Arc;
+
+use memkv_fabric::{Endpoint, Fabric, Mr};
+
+use crate::store::Store;
+
+/// Which fabric to serve RDMA on.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RdmaConfig {
+    /// libfabric provider (`verbs`, `efa`, `tcp`, ...); None: the first libfabric offers.
+    pub provider: Option<String>,
+    /// Domains (NICs; for tcp, interfaces) allowed; empty: any.
+    pub domains: Vec<String>,
+}
+
+/// The domain and the lanes' registrations, shared by every connection.
+pub struct ServerFabric {
+    pub fab: Arc<Fabric>,
+    regions: Vec<Mr>,
+    /// Keeps the registered memory mapped until the registrations (dropped first) are closed.
+    _store: Arc<Store>,
+}
+
+impl ServerFabric {
+    /// Opens the fabric and registers all of the store's memory for local reads and writes.
+    pub fn open(cfg: &RdmaConfig, store: &Arc<Store>) -> io::Result<ServerFabric> {
+        let fail = |e: memkv_fabric::FabricError| {
+            io::Error::other(format!(
+                "--rdma: cannot open libfabric (provider {}, domains {:?}): {e}",
+                cfg.provider.as_deref().unwrap_or("any"),
+                cfg.domains
+            ))
+        };
+        let fab = Fabric::open(cfg.provider.as_deref(), &cfg.domains).map_err(fail)?;
+        let regions = store
+            .memory_ranges()
+            .into_iter()
+            .filter(|(_, len)| *len > 0)
+            // SAFETY: the store's memory is mapped for as long as the store lives, and this
+            // holds the store until the registrations are closed.
+            .map(|(ptr, len)| unsafe { fab.register(ptr, len, false) })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(fail)?;
+        tracing::info!(provider = %fab.provider, domain = %fab.domain_name,
+            "RDMA data path on (one-sided reads and writes of client memory)");
+        Ok(ServerFabric {
+            fab,
+            regions,
+            _store: store.clone(),
+        })
+    }
+
+    /// The local descriptor of store memory `[ptr, ptr + len)`.
+    pub fn desc(&self, ptr: usize, len: usize) -> Option<usize> {
+        self.regions
+            .iter()
+            .find(|m| m.covers(ptr, len))
+            .map(Mr::desc)
+    }
+}
+
+/// A connection's endpoint and its client's address in it.
+pub(crate) struct RdmaPeer {
+    pub ep: Endpoint,
+    pub peer: u64,
+}
