@@ -229,6 +229,8 @@ ssize_t mk_cq_read(struct fid_cq *cq, void **contexts, size_t count, void **err_
 	if (n == -FI_EAVAIL) {
 		memset(&e, 0, sizeof(e));
 		n = fi_cq_readerr(cq, &e, 0);
+		if (n == -FI_EAGAIN)
+			return 0;
 		if (n < 0)
 			return n;
 		*err_context = e.op_context;
