@@ -289,6 +289,15 @@ class MemKVClient:
     def server_of(self, key: bytes) -> str:
         return self.config.servers[self._c.server_of(key)]
 
+    def register_buffer(self, ptr: int, nbytes: int) -> None:
+        """Registers [ptr, ptr + nbytes) with the RDMA transport once, as one region its blocks
+        share (`RegisteringClient`); a no-op over TCP. Raises ValueError if the fabric refuses."""
+        self._c.register_buffer(int(ptr), int(nbytes))
+
+    def unregister_buffer(self, ptr: int) -> None:
+        """Undoes `register_buffer(ptr, ...)`; no transfer touching the region may be running."""
+        self._c.unregister_buffer(int(ptr))
+
     def close(self) -> None:
         """Drops the connections (once the I/O threads finish what was submitted)."""
         self.codes.close()

@@ -131,6 +131,8 @@ pub struct Client {
     ids: Vec<String>,
     cfg: ClientConfig,
     exec: Executor,
+    /// The RDMA transport's registrations, when values move by RDMA.
+    registrations: Option<Arc<memkv_fabric::MrCache>>,
 }
 
 impl Client {
@@ -152,12 +154,15 @@ impl Client {
                 .ok()
                 .filter(|p| !p.is_empty())
         });
+        let mut registrations = None;
         let transport: Arc<dyn Transport> = match cfg.transport {
             TransportChoice::Tcp => Arc::new(Tcp),
-            TransportChoice::Rdma => Arc::new(
-                rdma::Rdma::open(provider.as_deref(), &cfg.rdma_devices, true)
-                    .map_err(|e| format!("transport 'rdma': {e}"))?,
-            ),
+            TransportChoice::Rdma => {
+                let r = rdma::Rdma::open(provider.as_deref(), &cfg.rdma_devices, true)
+                    .map_err(|e| format!("transport 'rdma': {e}"))?;
+                registrations = Some(r.cache().clone());
+                Arc::new(r)
+            }
             TransportChoice::Auto => {
                 match rdma::Rdma::open(provider.as_deref(), &cfg.rdma_devices, false) {
                     Ok(r) => {
@@ -166,6 +171,7 @@ impl Client {
                             domain = r.domain(),
                             "memkv transport 'auto': using RDMA"
                         );
+                        registrations = Some(r.cache().clone());
                         Arc::new(r)
                     }
                     Err(e) => {
@@ -194,7 +200,27 @@ impl Client {
             ids,
             exec: Executor::new(cfg.io_threads.max(1)),
             cfg,
+            registrations,
         }))
+    }
+
+    /// Registers `[ptr, ptr + len)` with the RDMA transport as one region (e.g. a whole pool of
+    /// blocks, so that its blocks share one registration instead of one each); a no-op over TCP.
+    ///
+    /// # Safety
+    /// The memory must stay mapped until `unregister_memory(ptr)`.
+    pub unsafe fn register_memory(&self, ptr: usize, len: usize) -> Result<(), String> {
+        match &self.registrations {
+            Some(c) => c.pin(ptr, len).map_err(|e| e.to_string()),
+            None => Ok(()),
+        }
+    }
+
+    /// Undoes `register_memory(ptr, ..)`; no transfer touching the region may be running.
+    pub fn unregister_memory(&self, ptr: usize) {
+        if let Some(c) = &self.registrations {
+            c.unpin(ptr);
+        }
     }
 
     pub fn config(&self) -> &ClientConfig {

@@ -199,16 +199,13 @@ uint64_t mk_mr_prov_key(void) { return FI_MR_PROV_KEY; }
 uint64_t mk_mr_local(void) { return FI_MR_LOCAL; }
 size_t mk_context_size(void) { return sizeof(struct fi_context2); }
 
-ssize_t mk_read(struct fid_ep *ep, void *buf, size_t len, void *desc, uint64_t src,
-		uint64_t addr, uint64_t key, void *context)
+/* One RDMA write (local to remote) or read (remote into local). */
+ssize_t mk_rma(struct fid_ep *ep, int write, void *buf, size_t len, void *desc, uint64_t peer,
+	       uint64_t addr, uint64_t key, void *context)
 {
-	return fi_read(ep, buf, len, desc, src, addr, key, context);
-}
-
-ssize_t mk_write(struct fid_ep *ep, const void *buf, size_t len, void *desc, uint64_t dest,
-		 uint64_t addr, uint64_t key, void *context)
-{
-	return fi_write(ep, buf, len, desc, dest, addr, key, context);
+	if (write)
+		return fi_write(ep, buf, len, desc, peer, addr, key, context);
+	return fi_read(ep, buf, len, desc, peer, addr, key, context);
 }
 
 /* Reads up to `count` completions into `contexts`; returns how many (0 when none), or, for a
@@ -229,6 +226,8 @@ ssize_t mk_cq_read(struct fid_cq *cq, void **contexts, size_t count, void **err_
 	if (n == -FI_EAVAIL) {
 		memset(&e, 0, sizeof(e));
 		n = fi_cq_readerr(cq, &e, 0);
+		if (n == -FI_EAGAIN)
+			return 0;
 		if (n < 0)
 			return n;
 		*err_context = e.op_context;

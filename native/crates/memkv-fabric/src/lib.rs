@@ -395,29 +395,17 @@ impl Endpoint {
                 // returns (the caller's contract, and on early return the endpoint is closed
                 // first); `ctx` is a slot of `contexts`, unused until its completion.
                 let r = unsafe {
-                    if op.write {
-                        sys::mk_write(
-                            self.ep,
-                            op.local as *const c_void,
-                            op.len,
-                            op.desc as *mut c_void,
-                            peer,
-                            op.remote_addr,
-                            op.rkey,
-                            ctx,
-                        )
-                    } else {
-                        sys::mk_read(
-                            self.ep,
-                            op.local as *mut c_void,
-                            op.len,
-                            op.desc as *mut c_void,
-                            peer,
-                            op.remote_addr,
-                            op.rkey,
-                            ctx,
-                        )
-                    }
+                    sys::mk_rma(
+                        self.ep,
+                        c_int::from(op.write),
+                        op.local as *mut c_void,
+                        op.len,
+                        op.desc as *mut c_void,
+                        peer,
+                        op.remote_addr,
+                        op.rkey,
+                        ctx,
+                    )
                 };
                 if r == -eagain {
                     free.push(s);

@@ -77,7 +77,9 @@ impl Drop for Mr {
 /// The client's registrations, looked up by address: a buffer inside a cached registration
 /// reuses it, any other is registered exactly (no byte more, so a key grants the server
 /// nothing beyond the buffers it was sent). At most `max_entries` are kept; the least recently
-/// used ones are dropped first (closed once no transfer holds them).
+/// used ones are dropped first (closed once no transfer holds them). Regions the caller
+/// registers explicitly (`pin`: e.g. a whole KV-cache pool, so that its blocks share one
+/// registration) are not counted and stay until `unpin` or an `invalidate` that overlaps them.
 pub struct MrCache {
     fab: Arc<Fabric>,
     max_entries: usize,
@@ -86,10 +88,14 @@ pub struct MrCache {
 
 #[derive(Default)]
 struct Inner {
-    /// By start address: the registration and its last use.
+    /// By start address: the registration and its last use (`PINNED` for pinned regions).
     by_start: BTreeMap<usize, (Arc<Mr>, u64)>,
     tick: u64,
+    pinned: usize,
 }
+
+/// The "last use" of a pinned region: never the least recently used.
+const PINNED: u64 = u64::MAX;
 
 impl MrCache {
     pub fn new(fab: Arc<Fabric>, max_entries: usize) -> MrCache {
@@ -115,15 +121,23 @@ impl MrCache {
         let tick = g.tick;
         if let Some((_, (mr, used))) = g.by_start.range_mut(..=ptr).next_back() {
             if mr.covers(ptr, len) && !mr.revoked() {
-                *used = tick;
+                if *used != PINNED {
+                    *used = tick;
+                }
                 return Ok(mr.clone());
             }
         }
         drop(g);
         let mr = Arc::new(self.fab.register(ptr, len.max(1), true)?);
         let mut g = self.inner.lock().unwrap();
-        g.by_start.insert(ptr, (mr.clone(), tick));
-        while g.by_start.len() > self.max_entries {
+        if let Some((old, used)) = g.by_start.insert(ptr, (mr.clone(), tick)) {
+            // A pinned region starting here did not cover the buffer: it stays pinned.
+            if used == PINNED {
+                g.by_start.insert(ptr, (old, used));
+                return Ok(mr);
+            }
+        }
+        while g.by_start.len() > self.max_entries + g.pinned {
             let oldest = g
                 .by_start
                 .iter()
@@ -147,7 +161,38 @@ impl MrCache {
             .map(|(k, _)| *k)
             .collect();
         for k in hit {
-            if let Some((mr, _)) = g.by_start.remove(&k) {
+            if let Some((mr, used)) = g.by_start.remove(&k) {
+                g.pinned -= usize::from(used == PINNED);
+                mr.revoke();
+            }
+        }
+    }
+
+    /// Registers `[ptr, ptr + len)` as one region kept until `unpin(ptr)`; buffers inside it
+    /// use it instead of registrations of their own.
+    ///
+    /// # Safety
+    /// The memory must stay mapped until `unpin` (or an overlapping `invalidate`).
+    pub unsafe fn pin(&self, ptr: usize, len: usize) -> Result<()> {
+        let mr = Arc::new(self.fab.register(ptr, len.max(1), true)?);
+        let mut g = self.inner.lock().unwrap();
+        if let Some((old, used)) = g.by_start.insert(ptr, (mr, PINNED)) {
+            g.pinned -= usize::from(used == PINNED);
+            old.revoke();
+        }
+        g.pinned += 1;
+        Ok(())
+    }
+
+    /// Drops the pinned region starting at `ptr` (no transfer in it may be running).
+    pub fn unpin(&self, ptr: usize) {
+        let mut g = self.inner.lock().unwrap();
+        if g.by_start
+            .get(&ptr)
+            .is_some_and(|(_, used)| *used == PINNED)
+        {
+            if let Some((mr, _)) = g.by_start.remove(&ptr) {
+                g.pinned -= 1;
                 mr.revoke();
             }
         }

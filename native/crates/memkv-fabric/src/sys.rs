@@ -147,23 +147,13 @@ extern "C" {
     pub fn mk_mr_prov_key() -> u64;
     pub fn mk_context_size() -> usize;
     #[allow(clippy::too_many_arguments)]
-    pub fn mk_read(
+    pub fn mk_rma(
         ep: Fid,
+        write: c_int,
         buf: *mut c_void,
         len: usize,
         desc: *mut c_void,
-        src: u64,
-        addr: u64,
-        key: u64,
-        ctx: *mut c_void,
-    ) -> isize;
-    #[allow(clippy::too_many_arguments)]
-    pub fn mk_write(
-        ep: Fid,
-        buf: *const c_void,
-        len: usize,
-        desc: *mut c_void,
-        dest: u64,
+        peer: u64,
         addr: u64,
         key: u64,
         ctx: *mut c_void,

@@ -282,6 +282,19 @@ impl PyClient {
     fn servers(&self) -> Vec<String> {
         self.inner.config().servers.clone()
     }
+
+    /// Registers [ptr, ptr + nbytes) with the RDMA transport as one region (a no-op over TCP).
+    /// The memory must stay mapped until `unregister_buffer(ptr)`.
+    fn register_buffer(&self, ptr: usize, nbytes: usize) -> PyResult<()> {
+        // SAFETY: the caller keeps the memory mapped until unregister_buffer (documented).
+        no_panic(|| unsafe { self.inner.register_memory(ptr, nbytes) })?
+            .map_err(PyValueError::new_err)
+    }
+
+    /// Undoes `register_buffer(ptr, ...)`; no transfer touching the region may be running.
+    fn unregister_buffer(&self, ptr: usize) -> PyResult<()> {
+        no_panic(|| self.inner.unregister_memory(ptr))
+    }
 }
 
 impl PyClient {
