@@ -41,8 +41,33 @@ pub enum TransportChoice {
     /// a connection fails when its server refuses RDMA.
     Rdma,
     /// RDMA when libfabric and a provider open (else TCP, with one log line saying why); a
-    /// server that refuses RDMA gets that connection's values over TCP.
+    /// server that refuses RDMA gets that connection's values over TCP. Without a named
+    /// provider only RDMA hardware ones are tried (`AUTO_PROVIDERS`).
     Auto,
+}
+
+/// Providers `auto` tries when none is named: those that drive RDMA hardware. libfabric lists
+/// its software providers (`tcp`, `sockets`) on every host, and they are slower than plain TCP,
+/// so they are used only when named (`MEMKV_RDMA_PROVIDER`, `rdma_provider`).
+pub const AUTO_PROVIDERS: [&str; 2] = ["verbs", "efa"];
+
+/// `auto`'s RDMA transport: the named provider, else the first of `AUTO_PROVIDERS` that opens.
+fn open_auto(provider: Option<&str>, devices: &[String]) -> Result<rdma::Rdma, String> {
+    if provider.is_some() {
+        return rdma::Rdma::open(provider, devices, false);
+    }
+    let mut why = Vec::new();
+    for p in AUTO_PROVIDERS {
+        match rdma::Rdma::open(Some(p), devices, false) {
+            Ok(r) => return Ok(r),
+            Err(e) => why.push(format!("{p}: {e}")),
+        }
+    }
+    Err(format!(
+        "no RDMA hardware provider opened ({}); software providers are used only when \
+         MEMKV_RDMA_PROVIDER names one",
+        why.join("; ")
+    ))
 }
 
 #[derive(Debug, Clone)]
@@ -133,6 +158,8 @@ pub struct Client {
     exec: Executor,
     /// The RDMA transport's registrations, when values move by RDMA.
     registrations: Option<Arc<memkv_fabric::MrCache>>,
+    /// The libfabric provider values move through; None over TCP.
+    rdma_provider: Option<String>,
 }
 
 impl Client {
@@ -155,35 +182,36 @@ impl Client {
                 .filter(|p| !p.is_empty())
         });
         let mut registrations = None;
+        let mut rdma_provider = None;
         let transport: Arc<dyn Transport> = match cfg.transport {
             TransportChoice::Tcp => Arc::new(Tcp),
             TransportChoice::Rdma => {
                 let r = rdma::Rdma::open(provider.as_deref(), &cfg.rdma_devices, true)
                     .map_err(|e| format!("transport 'rdma': {e}"))?;
                 registrations = Some(r.cache().clone());
+                rdma_provider = Some(r.provider().to_string());
                 Arc::new(r)
             }
-            TransportChoice::Auto => {
-                match rdma::Rdma::open(provider.as_deref(), &cfg.rdma_devices, false) {
-                    Ok(r) => {
-                        tracing::info!(
-                            provider = r.provider(),
-                            domain = r.domain(),
-                            "memkv transport 'auto': using RDMA"
-                        );
-                        registrations = Some(r.cache().clone());
-                        Arc::new(r)
-                    }
-                    Err(e) => {
-                        static SAID: Once = Once::new();
-                        SAID.call_once(|| {
-                            tracing::info!(rdma_devices = ?cfg.rdma_devices, reason = %e,
-                                "memkv transport 'auto': no usable RDMA; using TCP");
-                        });
-                        Arc::new(Tcp)
-                    }
+            TransportChoice::Auto => match open_auto(provider.as_deref(), &cfg.rdma_devices) {
+                Ok(r) => {
+                    tracing::info!(
+                        provider = r.provider(),
+                        domain = r.domain(),
+                        "memkv transport 'auto': using RDMA"
+                    );
+                    registrations = Some(r.cache().clone());
+                    rdma_provider = Some(r.provider().to_string());
+                    Arc::new(r)
                 }
-            }
+                Err(e) => {
+                    static SAID: Once = Once::new();
+                    SAID.call_once(|| {
+                        tracing::info!(rdma_devices = ?cfg.rdma_devices, reason = %e,
+                                "memkv transport 'auto': no usable RDMA; using TCP");
+                    });
+                    Arc::new(Tcp)
+                }
+            },
         };
         let pc = Arc::new(PoolConfig {
             auth_key: cfg.auth_key.clone(),
@@ -201,6 +229,7 @@ impl Client {
             exec: Executor::new(cfg.io_threads.max(1)),
             cfg,
             registrations,
+            rdma_provider,
         }))
     }
 
@@ -225,6 +254,11 @@ impl Client {
 
     pub fn config(&self) -> &ClientConfig {
         &self.cfg
+    }
+
+    /// The libfabric provider values move through (`verbs`, `tcp`, ...); None over TCP.
+    pub fn rdma_provider(&self) -> Option<&str> {
+        self.rdma_provider.as_deref()
     }
 
     /// Index of the server that owns `key`.

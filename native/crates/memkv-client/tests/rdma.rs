@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use memkv_client::{Buf, Client, ClientConfig, Status, TransportChoice};
+use memkv_client::{Buf, Client, ClientConfig, Status, TransportChoice, AUTO_PROVIDERS};
 use memkv_server::rdma::RdmaConfig;
 use memkv_server::{Server, ServerConfig};
 
@@ -160,6 +160,35 @@ fn an_unloadable_provider_is_an_error_for_rdma_and_tcp_for_auto() {
         unsafe { auto.put(&[b"b".to_vec()], &[Buf::of(&v)]) },
         [Status::Ok]
     );
+    s.shutdown();
+    s.wait();
+}
+
+#[test]
+fn auto_never_picks_a_software_provider_unless_named() {
+    let s = server(16 << 20, true);
+    let unnamed = Client::new(ClientConfig {
+        servers: vec![s.addr.to_string()],
+        transport: TransportChoice::Auto,
+        ..ClientConfig::default()
+    })
+    .unwrap();
+    // Hosts without RDMA hardware (CI) get TCP; hosts with it, a hardware provider (libfabric
+    // names it with its utility layer: `verbs;ofi_rxm`).
+    let p = unnamed.rdma_provider();
+    let core = |p: &str| p.split(';').next().unwrap_or_default().to_string();
+    assert!(
+        p.is_none_or(|p| AUTO_PROVIDERS.contains(&core(p).as_str())),
+        "{p:?}"
+    );
+    let v = value(3, 5000);
+    // SAFETY: `v` outlives the call.
+    assert_eq!(
+        unsafe { unnamed.put(&[b"u".to_vec()], &[Buf::of(&v)]) },
+        [Status::Ok]
+    );
+    let named = client(&s, TransportChoice::Auto);
+    assert_eq!(named.rdma_provider().map(core).as_deref(), Some("tcp"));
     s.shutdown();
     s.wait();
 }
