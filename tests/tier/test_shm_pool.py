@@ -3,7 +3,7 @@ SharedOffloadRegion: the spec the plugin installs makes the scheduler unlink the
 mapped the pool the workers created, and a worker's shutdown then leaves a newer engine's file
 alone. No engine: the worker side is the region vLLM's worker maps (through compat), so this runs
 on the GPU build without a GPU too (tests/e2e/test_shm_cleanup.py covers a real CPU-platform
-engine)."""
+engine; test_compat.py checks that the plugin installs this spec)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from memkv_vllm.compat import api
-from memkv_vllm.cpu_worker import cpu_tiering_spec_class, install
 from memkv_vllm.shm_region import forget_dropped_name_at_shutdown, tiering_spec_class
 
 PAGE = 4096  # KV bytes per block and worker: one page, so a pool row needs no padding
@@ -56,11 +55,13 @@ def _offloading_config(engine_id: str, chunks: int) -> Any:
 
 
 @pytest.fixture
-def spec() -> Iterator[Any]:
-    """The plugin's tiering spec for a fresh engine id; removes the pool file if a test left it."""
-    s = tiering_spec_class()(_offloading_config(f"memkv-test-{uuid.uuid4().hex[:12]}", 8))
-    path = f"/dev/shm/vllm_offload_{api().engine_id(s)}.mmap"
-    yield s
+def spec() -> Iterator[tuple[Any, str]]:
+    """The plugin's tiering spec for a fresh engine id, and the pool file vLLM names after it;
+    removes that file if a test left it."""
+    engine_id = f"memkv-test-{uuid.uuid4().hex[:12]}"
+    s = tiering_spec_class()(_offloading_config(engine_id, 8))
+    path = f"/dev/shm/vllm_offload_{engine_id}.mmap"
+    yield s, path
     manager = getattr(s, "_manager", None)
     if manager is not None:
         manager.shutdown()
@@ -68,21 +69,12 @@ def spec() -> Iterator[Any]:
         os.unlink(path)
 
 
-def test_the_plugin_serves_the_tiering_spec_on_every_platform() -> None:
-    a = api()
-    assert install()
-    want = cpu_tiering_spec_class() if a.is_cpu_platform() else tiering_spec_class()
-    assert a.resolve_builtin_spec("TieringOffloadingSpec") is want
-    assert issubclass(want, tiering_spec_class())
-    assert issubclass(tiering_spec_class(), a.tiering_spec_class())
-
-
 def test_the_scheduler_unlinks_the_pool_the_worker_created(spec) -> None:
     a = api()
+    spec, path = spec
     worker_region = a.open_worker_region(spec, 0)  # what vLLM's worker maps, before the scheduler
-    path = worker_region.mmap_path
     try:
-        assert os.path.exists(path)
+        assert worker_region.mmap_path == path and os.path.exists(path)
         view = a.region_worker_view(worker_region, PAGE)
         view[3, :4] = view.new_tensor([1, 2, 3, 4])
         manager = spec.get_manager()
@@ -100,5 +92,6 @@ def test_the_scheduler_unlinks_the_pool_the_worker_created(spec) -> None:
 
 
 def test_a_scheduler_that_created_the_pool_keeps_its_name(spec) -> None:
+    spec, path = spec
     spec.get_manager()  # no worker mapped it first: workers may still have to find it by name
-    assert os.path.exists(api().scheduler_region(spec).mmap_path)
+    assert api().scheduler_region(spec).mmap_path == path and os.path.exists(path)
