@@ -365,7 +365,7 @@ class VllmAdapter(ABC):
 
     def worker_pool_region(self, worker: Any) -> Any:
         """The shared region that a worker of vLLM's own CPU-pool spec maps and cleans up at its
-        shutdown: the worker holds it on 0.30 and later, its store handler on 0.25 to 0.27 (both
+        shutdown: the worker holds it on 0.29 and later, its store handler on 0.25 to 0.27 (both
         places are looked at). None if absent."""
         region = getattr(worker, "_mmap_region", None)
         if region is None:
