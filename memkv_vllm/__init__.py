@@ -12,10 +12,12 @@ _log = logging.getLogger("vllm.memkv")
 def register() -> None:
     """The `vllm.general_plugins` hook (entry point `memkv_tier`); vLLM calls it in every process.
 
-    Adds the "memkv" secondary-tier type to vLLM's tier factory and, on vLLM's CPU platform only,
-    the CPU copy worker that TieringOffloadingSpec needs there. Idempotent, cheap (the tier module
-    is imported only when a config names it) and it never raises: an exception here would abort
-    vLLM's start-up even for engines that do not use memkv. Without vLLM it does nothing.
+    Adds the "memkv" secondary-tier type to vLLM's tier factory and replaces TieringOffloadingSpec
+    by a subclass whose CPU pool loses its /dev/shm name once every engine process mapped it, with
+    the CPU copy worker it needs on vLLM's CPU platform (cpu_worker.install). Idempotent, cheap
+    (the tier module is imported only when a config names it) and it never raises: an exception
+    here would abort vLLM's start-up even for engines that do not use memkv. Without vLLM it does
+    nothing.
     """
     try:
         from memkv_vllm.compat import api
@@ -32,4 +34,4 @@ def register() -> None:
 
         install()
     except Exception as e:
-        _log.warning("memkv: CPU-platform worker not installed: %s", e)
+        _log.warning("memkv: TieringOffloadingSpec not replaced: %s", e)

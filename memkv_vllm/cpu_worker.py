@@ -9,8 +9,9 @@ and correctly ordered transfer.
 
 What: `CPUPlatformTieringOffloadingSpec` keeps everything of upstream's TieringOffloadingSpec
 (scheduler-side manager, CPU primary tier, secondary tiers, metrics) and only replaces
-`get_worker()`. `install()` (called from register() in every vLLM process) points the built-in
-spec name "TieringOffloadingSpec" at it, on the CPU platform only; GPU platforms are untouched.
+`get_worker()`; it derives from shm_region's spec, whose scheduler drops the pool's /dev/shm name.
+`install()` (called from register() in every vLLM process) points the built-in spec name
+"TieringOffloadingSpec" at it on the CPU platform, and at shm_region's spec on other platforms.
 The pointer math follows upstream's GPU copy handler (SingleDirectionOffloadingHandler):
 group-major GPU blocks, partial first chunks, several KV groups, blocks_per_chunk > 1.
 Every vLLM class and attribute name used here comes through `compat.api()`.
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from memkv_vllm.compat import api
-from memkv_vllm.shm_region import drop_name_after_last_mapping, forget_dropped_name
+from memkv_vllm.shm_region import forget_dropped_name, tiering_spec_class
 
 logger = logging.getLogger("vllm.memkv_cpu_worker")
 
@@ -155,14 +156,8 @@ def cpu_tiering_spec_class() -> type:
         a = api()
         worker_cls = a.offloading_worker_class(SyncCopyWorker)
 
-        class CPUPlatformTieringOffloadingSpec(a.tiering_spec_class()):  # type: ignore[misc]
+        class CPUPlatformTieringOffloadingSpec(tiering_spec_class()):  # type: ignore[misc]
             """Upstream TieringOffloadingSpec whose worker runs on vLLM's CPU platform."""
-
-            def get_manager(self) -> Any:
-                manager = super().get_manager()
-                # The scheduler maps the pool last: its name can go now (see shm_region.py).
-                drop_name_after_last_mapping(getattr(self, "_scheduler_mmap", None))
-                return manager
 
             def get_worker(self, kv_caches: Any) -> Any:
                 w = getattr(self, "_memkv_cpu_worker", None)
@@ -184,16 +179,17 @@ def cpu_tiering_spec_class() -> type:
 
 
 def install() -> bool:
-    """On the CPU platform, serve "TieringOffloadingSpec" with the CPU-platform worker.
+    """Serve "TieringOffloadingSpec" with the CPU-platform worker on the CPU platform, and with
+    upstream's worker but a pool that loses its /dev/shm name early on the others.
 
-    Returns True if installed now or before. Never raises; a no-op on GPU platforms.
+    Returns True if installed now or before. Never raises.
     """
     try:
         a = api()
-        if not a.is_cpu_platform():
-            return False
-        a.replace_builtin_spec("TieringOffloadingSpec", cpu_tiering_spec_class)
+        spec = cpu_tiering_spec_class if a.is_cpu_platform() else tiering_spec_class
+        a.replace_builtin_spec("TieringOffloadingSpec", spec)
         return True
     except Exception as e:
-        logger.warning("memkv: CPU-platform offload worker not installed: %s", e)
+        logger.warning("memkv: TieringOffloadingSpec not replaced (the CPU platform's worker, "
+                       "the CPU pool's early /dev/shm unlink): %s", e)
         return False

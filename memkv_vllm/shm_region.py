@@ -11,8 +11,15 @@ What: a mapping outlives its name. The engine core builds its scheduler only aft
 has registered its KV caches, so once the scheduler has mapped the region as a joiner (a worker
 created the file) every process that will map it has done so, and the name can go. The kernel
 then frees the pool when the last mapping goes, however the processes end. This is what vLLM's
-CPUOffloadingSpec does after its barrier. vLLM-free: works on the region object's attributes
-(`mmap_path`, `fd`, `_creator`), which are the same in every vLLM generation the plugin supports.
+CPUOffloadingSpec does after its barrier. The helpers work on the region object's attributes
+(`mmap_path`, `fd`, `_creator`), which are the same in every vLLM generation the plugin supports;
+`tiering_spec_class()` applies them on every platform (the CPU platform's spec derives from it),
+reaching vLLM only through compat.
+
+The ordering it relies on holds per host for every executor that builds one scheduler per engine
+after its workers (multiprocessing, Ray, in-process). Workers on other hosts of a multi-host engine
+map a file on their own host that no scheduler joins: that file keeps vLLM's behaviour (removed by
+a clean shutdown only).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from __future__ import annotations
 import logging
 import os
 from typing import Any
+
+from memkv_vllm.compat import api
 
 logger = logging.getLogger("vllm.memkv_shm_region")
 
@@ -68,3 +77,47 @@ def forget_dropped_name(region: Any) -> None:
             region._creator = False
     except OSError:
         region._creator = False
+
+
+def forget_dropped_name_at_shutdown(worker: Any, region: Any) -> None:
+    """Make `worker.shutdown()` call `forget_dropped_name(region)` before the shutdown that
+    cleans `region` up: vLLM's own CPU-pool worker owns its region and has no hook of its own."""
+    if region is None:
+        return
+    shutdown = worker.shutdown
+
+    def shutdown_keeping_newer_names() -> None:
+        forget_dropped_name(region)
+        shutdown()
+
+    worker.shutdown = shutdown_keeping_newer_names
+
+
+_spec_cls: type | None = None
+
+
+def tiering_spec_class() -> type:
+    """vLLM's TieringOffloadingSpec whose CPU pool loses its /dev/shm name once the scheduler
+    mapped it (every platform; built lazily, imports vLLM through compat)."""
+    global _spec_cls
+    if _spec_cls is None:
+
+        class NamelessPoolTieringOffloadingSpec(api().tiering_spec_class()):  # type: ignore[misc]
+            """Upstream TieringOffloadingSpec; the scheduler drops the pool's name (module doc)."""
+
+            def get_manager(self) -> Any:
+                manager = super().get_manager()
+                # The scheduler maps the pool last: its name can go now.
+                drop_name_after_last_mapping(api().scheduler_region(self))
+                return manager
+
+            def get_worker(self, kv_caches: Any) -> Any:
+                fresh = getattr(self, "_memkv_worker_hooked", None) is None
+                worker = super().get_worker(kv_caches)
+                if fresh:
+                    forget_dropped_name_at_shutdown(worker, api().worker_pool_region(worker))
+                    self._memkv_worker_hooked = worker
+                return worker
+
+        _spec_cls = NamelessPoolTieringOffloadingSpec
+    return _spec_cls

@@ -403,6 +403,21 @@ class VllmAdapter(ABC):
     def region_worker_view(self, region: Any, nbytes: int) -> Any:
         """Next (num_chunks, nbytes) int8 view of this worker's area for one KV tensor."""
 
+    # ------------------------------------------------------------------ CPU pool's /dev/shm file
+    def scheduler_region(self, spec: Any) -> Any:
+        """The scheduler's mapping of the CPU pool's shared region, made by the tiering spec's
+        get_manager() (None before it ran)."""
+        return getattr(spec, "_scheduler_mmap", None)
+
+    def worker_pool_region(self, worker: Any) -> Any:
+        """The shared region that a worker of vLLM's own CPU-pool spec maps and cleans up at its
+        shutdown: the worker holds it on 0.29 and later, its store handler on 0.25 to 0.27 (both
+        places are looked at). None if absent."""
+        region = getattr(worker, "_mmap_region", None)
+        if region is None:
+            region = getattr(getattr(worker, "_store_handler", None), "_mmap_region", None)
+        return region
+
     def _model_dtype(self, spec: Any) -> str | None:
         vc = getattr(spec, "vllm_config", None)
         if vc is None:

@@ -1,8 +1,11 @@
-"""vLLM 0.31 and later (tested up to 0.32): back-pressure.
+"""vLLM 0.31 and later (tested up to 0.33, whose changes here need no adapter): back-pressure.
 
 The tier factory always passes `backpressure_detector=` to the tier constructor and the base class
 must receive it (the manager reads `tier.bp_detector`); `JobResult` gained `transfer_bytes`, which
 feeds that detector. 0.31 also stopped calling `touch()`, which this tier does not rely on.
+0.33 adds `submit_load(..., expedited=)` (the base class's worker accepts it), a manager lock, a
+tier-poll thread for tiers that opt in, and moves `on_schedule_end()` after the stores of a step;
+none of it changes what this adapter translates.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ from harness import okey
 
 from memkv_vllm import compat
 from memkv_vllm.compat import api
-from memkv_vllm.cpu_worker import cpu_tiering_spec_class
+from memkv_vllm.cpu_worker import cpu_tiering_spec_class, install
 from memkv_vllm.keys import KeyLayout
+from memkv_vllm.shm_region import tiering_spec_class
 
 
 def _cfg(address: str, **kw) -> dict:
@@ -57,16 +58,16 @@ def test_the_back_pressure_detector_reaches_the_tier(memkv_server, engines) -> N
     assert type(b.tier.bp_detector).__name__ == "EMABackpressureDetector"
 
 
-def test_the_cpu_worker_spec_replaces_the_builtin_one() -> None:
+def test_the_plugins_spec_replaces_the_builtin_one_on_every_platform() -> None:
     a = api()
-    if not a.is_cpu_platform():
-        pytest.skip("the spec is swapped on vLLM's CPU platform only")
     # register() (harness) installed it; this reads vLLM's private registry through the same
-    # adapter hook, so a vLLM that changed the registry fails here.
-    a.replace_builtin_spec("TieringOffloadingSpec", cpu_tiering_spec_class)
+    # adapter hook, so a vLLM that changed the registry fails here. The CPU platform gets the
+    # copy worker; every platform the pool whose /dev/shm name goes early (test_shm_pool.py).
+    assert install()
     cls = a.resolve_builtin_spec("TieringOffloadingSpec")
-    assert cls is cpu_tiering_spec_class()
-    assert issubclass(cls, a.tiering_spec_class())
+    assert cls is (cpu_tiering_spec_class() if a.is_cpu_platform() else tiering_spec_class())
+    assert issubclass(cls, tiering_spec_class())
+    assert issubclass(tiering_spec_class(), a.tiering_spec_class())
 
 
 def test_the_spec_swap_refuses_a_registry_it_does_not_recognise() -> None:

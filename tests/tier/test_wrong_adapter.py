@@ -1,6 +1,8 @@
 """Each compat adapter is needed: with any other generation's adapter forced on the installed
-vLLM, the tier tests fail. (Run in every vLLM venv; each run forces the adapters that do not
-match it, in a fresh process, since one process uses one adapter.)"""
+vLLM, the tier tests fail (test_shm_pool.py tells 0.25's adapter from 0.26's: only a real spec
+shows how a generation names the engine and the pool region). Run in every vLLM venv; each run
+forces the adapters that do not match it, in a fresh process, since one process uses one
+adapter."""
 
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ def test_a_wrong_adapter_fails_the_tier_tests(generation: str) -> None:
         pytest.skip(f"{generation} is this vLLM's adapter")
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-         str(HERE / "test_compat.py"), str(HERE / "test_tier.py")],
+         str(HERE / "test_compat.py"), str(HERE / "test_tier.py"),
+         str(HERE / "test_shm_pool.py")],
         env={**os.environ, "MEMKV_TEST_ADAPTER": generation}, cwd=HERE.parents[1],
         capture_output=True, text=True, timeout=600,
     )
