@@ -8,9 +8,11 @@ of `Status` numbers per batch) that implements `memkv_vllm.interface.BlockClient
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from typing import Any
 
-from memkv_vllm.config import MemKVConfig
+from memkv_vllm.config import MemKVConfig, load_config
 
 
 def make_client(cfg: MemKVConfig, io_threads: int | None = None) -> Any:
@@ -23,3 +25,17 @@ def make_client(cfg: MemKVConfig, io_threads: int | None = None) -> Any:
     from memkv_vllm.client import MemKVClient
 
     return MemKVClient.from_config(cfg, io_threads)
+
+
+def client_or_none(overrides: Mapping[str, Any] | None, log: logging.Logger, who: str
+                   ) -> tuple[Any, MemKVConfig]:
+    """(client or None, settings) for a vLLM-side owner (`who`: "tier", "direct"). A bad setting
+    raises (startup); a client that cannot be made is logged on `log` and answered with None, so
+    the engine comes up, every lookup misses and it computes everything itself."""
+    cfg = load_config(dict(overrides) if overrides else None)
+    try:
+        return make_client(cfg), cfg
+    except Exception as e:  # the engine must come up and recompute rather than die
+        log.error("memkv %s: cannot create the %s client (%s); every lookup will miss", who,
+                  cfg.backend, e)
+        return None, cfg

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from memkv_vllm.backends import client_or_none
 from memkv_vllm.compat import api
 from memkv_vllm.interface import Lookup
 from memkv_vllm.keys import KeyLayout
@@ -53,20 +54,6 @@ TIER_DEFAULTS: dict[str, Any] = {
     "max_store_backlog_mb": 2048,
     "lookup_timeout_s": 5.0,
 }
-
-
-def _make_client(tier_kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """(client or None, config). A bad setting raises (startup); an unreachable cluster does not."""
-    from memkv_vllm.config import load_config
-
-    cfg = load_config(tier_kwargs or None)
-    try:
-        from memkv_vllm.backends import make_client  # memkv or Redis / Valkey (backend key)
-
-        return make_client(cfg), cfg
-    except Exception as e:  # the engine must come up and recompute rather than die
-        logger.error("memkv tier: cannot create the client (%s); every lookup will miss", e)
-        return None, cfg
 
 
 class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc,name-defined]
@@ -109,7 +96,7 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
         self._base = int(self._arr.ctypes.data)
         self._prefix = str(prefix)
 
-        self._client, cfg = _make_client(client_kw)
+        self._client, cfg = client_or_none(client_kw, logger, "tier")
         # The store compares status numbers: it takes the client's code-bytes face.
         codes = self._client.codes if self._client is not None else None
         self._store = BlockStore(codes, StoreOptions(

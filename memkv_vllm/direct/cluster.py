@@ -7,7 +7,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from memkv_vllm.config import MemKVConfig, load_config
+from memkv_vllm.backends import client_or_none
+from memkv_vllm.config import MemKVConfig
 from memkv_vllm.store import BlockStore, StoreOptions
 
 logger = logging.getLogger("vllm.memkv_direct")
@@ -18,15 +19,7 @@ def connect(overrides: Mapping[str, Any], **store_options: Any
     """(block store, client or None, settings). A bad setting raises (startup); a client that
     cannot be made does not: every lookup then misses and every job fails, and the engine
     computes everything itself."""
-    cfg = load_config(dict(overrides) or None)
-    client = None
-    try:
-        from memkv_vllm.backends import make_client
-
-        client = make_client(cfg)
-    except Exception as e:
-        logger.error("memkv direct: cannot create the %s client (%s); every lookup will miss",
-                     cfg.backend, e)
+    client, cfg = client_or_none(overrides, logger, "direct")
     store_options.setdefault("lookup_lease_ms", int(cfg.lease_ms))
     # The store compares status numbers: it takes the client's code-bytes face.
     store = BlockStore(None if client is None else client.codes, StoreOptions(**store_options))
