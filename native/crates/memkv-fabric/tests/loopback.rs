@@ -138,3 +138,39 @@ fn the_cache_is_bounded_and_reuses_covering_registrations() {
         "held by a transfer: evicted from the cache, not closed"
     );
 }
+
+/// GPU memory on a domain that cannot register it is refused before libfabric sees the pointer
+/// (a provider taking it for host memory would copy from it on the CPU and crash); host memory
+/// registers as before, and the domain says why GPU memory is out of its reach. The tcp
+/// provider has no FI_HMEM, so asking for it falls back to its host-only domain.
+#[test]
+fn gpu_memory_is_refused_where_the_domain_cannot_register_it() {
+    use memkv_fabric::Memory;
+
+    let asked = Fabric::open_for(Some("tcp"), &["lo".to_string()], true).unwrap();
+    let why = asked.device_memory().unwrap_err();
+    assert!(why.contains("FI_HMEM") && why.contains("tcp"), "{why}");
+    let plain = fabric();
+    assert!(plain.device_memory().unwrap_err().contains("not asked"));
+
+    let buf = vec![1u8; 8192];
+    let ptr = buf.as_ptr() as usize;
+    for fab in [&asked, &plain] {
+        let e = unsafe { fab.register_memory(ptr, buf.len(), true, Memory::Cuda(0)) }
+            .err()
+            .expect("GPU memory refused");
+        let msg = e.to_string();
+        assert!(msg.contains("GPU memory (CUDA device 0)"), "{msg}");
+        assert!(msg.contains(&format!("{ptr:#x}")), "{msg}");
+        let mr = unsafe { fab.register_memory(ptr, buf.len(), true, Memory::Host) }.unwrap();
+        assert_eq!(mr.mem, Memory::Host);
+    }
+
+    // No CUDA driver in this process: every buffer is host memory, registrations say so.
+    let cache = MrCache::new(asked.clone(), 4);
+    unsafe { cache.pin(ptr, 4096) }.unwrap();
+    assert_eq!(cache.memory_of(ptr + 8, 16), Memory::Host);
+    let mr = unsafe { cache.get(ptr + 4096, 4096) }.unwrap();
+    assert_eq!(mr.mem, Memory::Host);
+    assert_eq!(memkv_fabric::memory::locate(ptr), Memory::Host);
+}
