@@ -205,19 +205,14 @@ impl Fabric {
                 prov_key: mr_mode & sys::mk_mr_prov_key() != 0,
                 depth: sys::mk_info_tx_size(info).clamp(1, MAX_DEPTH),
                 max_msg: sys::mk_info_max_msg(info).clamp(1, MAX_PIECE),
-                device_memory: if sys::mk_info_caps(info) & sys::mk_cap_hmem() != 0 {
-                    Ok(format!(
-                        "provider {} on {} registers GPU memory (FI_HMEM)",
+                device_memory: cuda_reach(
+                    &format!(
+                        "provider {} on {}",
                         sys::cstr(sys::mk_info_prov(info)),
                         sys::cstr(sys::mk_info_domain(info))
-                    ))
-                } else {
-                    Err(format!(
-                        "provider {} on {} registers host memory only (no FI_HMEM)",
-                        sys::cstr(sys::mk_info_prov(info)),
-                        sys::cstr(sys::mk_info_domain(info))
-                    ))
-                },
+                    ),
+                    sys::mk_info_caps(info) & sys::mk_cap_hmem() != 0,
+                ),
                 next_key: AtomicU64::new(1),
             }
         };
@@ -328,6 +323,77 @@ impl Drop for Fabric {
             sys::mk_close(self.fabric);
             (self.lib.api.freeinfo)(self.infos);
         }
+    }
+}
+
+/// Whether a domain (`what`: its provider and name) with or without FI_HMEM registers CUDA
+/// memory. FI_HMEM alone does not say so: some providers (shm) list it in every build, and
+/// the distributions' libfabric is built without CUDA; a provider handed CUDA memory by such a
+/// build would call CUDA functions it never loaded. So CUDA must also be compiled in (the build
+/// then defines its `hmem_cuda_enable_xfer` parameter) and started: libfabric loads the CUDA
+/// runtime by the name `libcudart.so` when it initialises, and unloads it when no device
+/// answers.
+fn cuda_reach(what: &str, hmem: bool) -> std::result::Result<String, String> {
+    if !hmem {
+        return Err(format!("{what} registers host memory only (no FI_HMEM)"));
+    }
+    if !libfabric_has_param("hmem_cuda_enable_xfer") {
+        return Err(format!(
+            "{what} offers FI_HMEM but this libfabric is built without CUDA support"
+        ));
+    }
+    // SAFETY: RTLD_NOLOAD only looks for a library already loaded; nothing is run.
+    let cudart = unsafe {
+        libloading::os::unix::Library::open(
+            Some("libcudart.so"),
+            libc::RTLD_NOW | libc::RTLD_NOLOAD,
+        )
+    };
+    if cudart.is_err() {
+        return Err(format!(
+            "{what} offers FI_HMEM but libfabric's CUDA support did not start (it loads \
+             libcudart.so, which must be on the library path, and needs a CUDA device)"
+        ));
+    }
+    Ok(format!("{what} registers GPU memory (FI_HMEM, CUDA)"))
+}
+
+/// Whether the loaded libfabric defines the parameter `name` (`fi_getparams`).
+fn libfabric_has_param(name: &str) -> bool {
+    #[repr(C)]
+    struct FiParam {
+        name: *const std::ffi::c_char,
+        kind: c_int,
+        help: *const std::ffi::c_char,
+        value: *const std::ffi::c_char,
+    }
+    type GetParams = unsafe extern "C" fn(*mut *mut FiParam, *mut c_int) -> c_int;
+    type FreeParams = unsafe extern "C" fn(*mut FiParam);
+    // SAFETY: the library is the one `Lib` loaded (RTLD_NOLOAD takes a reference by its
+    // soname); both functions have the C signatures of fabric.h's fi_getparams and
+    // fi_freeparams, and `struct fi_param` is four pointer-sized fields.
+    unsafe {
+        let Ok(lib) = libloading::os::unix::Library::open(
+            Some(sys::LIBFABRIC),
+            libc::RTLD_NOW | libc::RTLD_NOLOAD,
+        ) else {
+            return false;
+        };
+        let (Ok(get), Ok(free)) = (
+            lib.get::<GetParams>(b"fi_getparams\0"),
+            lib.get::<FreeParams>(b"fi_freeparams\0"),
+        ) else {
+            return false;
+        };
+        let (mut params, mut count) = (std::ptr::null_mut(), 0 as c_int);
+        if get(&mut params, &mut count) != 0 || params.is_null() {
+            return false;
+        }
+        let found = std::slice::from_raw_parts(params, count.max(0) as usize)
+            .iter()
+            .any(|p| sys::cstr(p.name) == name);
+        free(params);
+        found
     }
 }
 

@@ -174,3 +174,20 @@ fn gpu_memory_is_refused_where_the_domain_cannot_register_it() {
     assert_eq!(mr.mem, Memory::Host);
     assert_eq!(memkv_fabric::memory::locate(ptr), Memory::Host);
 }
+
+/// shm lists FI_HMEM in every build, with or without CUDA: the domain registers GPU memory only
+/// where libfabric is built with CUDA and its CUDA support started (Debian's and Ubuntu's
+/// libfabric 1.17 are built without).
+#[test]
+fn fi_hmem_alone_does_not_make_a_domain_reach_cuda_memory() {
+    let fab = Fabric::open_for(Some("shm"), &[], true).expect("libfabric shm provider");
+    assert_eq!(fab.provider, "shm");
+    match fab.device_memory() {
+        Ok(how) => assert!(how.contains("(FI_HMEM, CUDA)"), "{how}"),
+        Err(why) => assert!(
+            why.contains("offers FI_HMEM but this libfabric is built without CUDA support")
+                || why.contains("offers FI_HMEM but libfabric's CUDA support did not start"),
+            "{why}"
+        ),
+    }
+}
