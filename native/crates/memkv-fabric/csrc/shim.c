@@ -83,6 +83,9 @@ size_t mk_info_tx_size(const struct fi_info *info) { return info->tx_attr->size;
 size_t mk_info_max_msg(const struct fi_info *info) { return info->ep_attr->max_msg_size; }
 size_t mk_info_key_size(const struct fi_info *info) { return info->domain_attr->mr_key_size; }
 uint64_t mk_info_caps(const struct fi_info *info) { return info->caps; }
+/* Whether the provider's endpoint addresses are NUL-terminated strings of varying length (shm:
+ * FI_ADDR_STR) rather than structures of one size (sockaddr, verbs, efa). */
+int mk_info_addr_str(const struct fi_info *info) { return info->addr_format == FI_ADDR_STR; }
 
 int mk_open_domain(const struct mk_api *api, struct fi_info *info, struct fid_fabric **fabric,
 		   struct fid_domain **domain)

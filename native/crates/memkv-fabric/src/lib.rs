@@ -87,6 +87,8 @@ pub struct Fabric {
     pub max_msg: usize,
     /// Ok: the domain registers CUDA device memory (how, for logs); Err: why it does not.
     device_memory: std::result::Result<String, String>,
+    /// Endpoint addresses are NUL-terminated strings (shm), not structures of one size.
+    addr_str: bool,
     next_key: AtomicU64,
 }
 
@@ -94,6 +96,8 @@ pub struct Fabric {
 unsafe impl Send for Fabric {}
 unsafe impl Sync for Fabric {}
 
+/// Longest endpoint address `Endpoint::name` reads (and a string address may be).
+const MAX_NAME: usize = 256;
 /// Most operations an endpoint keeps in flight, whatever the provider allows.
 const MAX_DEPTH: usize = 256;
 /// Largest piece one read or write moves: bigger values are split, so one value does not hold
@@ -213,6 +217,7 @@ impl Fabric {
                     ),
                     sys::mk_info_caps(info) & sys::mk_cap_hmem() != 0,
                 ),
+                addr_str: sys::mk_info_addr_str(info) != 0,
                 next_key: AtomicU64::new(1),
             }
         };
@@ -229,6 +234,29 @@ impl Fabric {
             virt_addr = f.virt_addr, prov_key = f.prov_key, depth = f.depth,
             device_memory = ?f.device_memory, "libfabric domain open");
         Ok(Arc::new(f))
+    }
+
+    /// Whether `addr`, a peer's endpoint address, is one the provider can read without reading
+    /// past it: of the length of this domain's own (`own_len`), or, for string addresses (shm),
+    /// NUL-terminated within its bytes and no longer than `own_len` allows a name to be.
+    pub fn peer_address_ok(&self, own_len: usize, addr: &[u8]) -> std::result::Result<(), String> {
+        if self.addr_str {
+            if addr.len() <= MAX_NAME && addr.contains(&0) {
+                return Ok(());
+            }
+            return Err(format!(
+                "a {}-byte endpoint address that is no NUL-terminated name of at most {MAX_NAME} \
+                 bytes",
+                addr.len()
+            ));
+        }
+        if addr.len() != own_len {
+            return Err(format!(
+                "a {}-byte endpoint address; this provider's are {own_len} bytes",
+                addr.len()
+            ));
+        }
+        Ok(())
     }
 
     /// Ok (how, for a log line) when this domain registers CUDA device memory, else why not.
@@ -330,14 +358,14 @@ impl Drop for Fabric {
 /// memory. FI_HMEM alone does not say so: some providers (shm) list it in every build, and
 /// the distributions' libfabric is built without CUDA; a provider handed CUDA memory by such a
 /// build would call CUDA functions it never loaded. So CUDA must also be compiled in (the build
-/// then defines its `hmem_cuda_enable_xfer` parameter) and started: libfabric loads the CUDA
+/// then defines its `FI_HMEM_CUDA_ENABLE_XFER` parameter) and started: libfabric loads the CUDA
 /// runtime by the name `libcudart.so` when it initialises, and unloads it when no device
 /// answers.
 fn cuda_reach(what: &str, hmem: bool) -> std::result::Result<String, String> {
     if !hmem {
         return Err(format!("{what} registers host memory only (no FI_HMEM)"));
     }
-    if !libfabric_has_param("hmem_cuda_enable_xfer") {
+    if !libfabric_has_param("FI_HMEM_CUDA_ENABLE_XFER") {
         return Err(format!(
             "{what} offers FI_HMEM but this libfabric is built without CUDA support"
         ));
@@ -358,7 +386,8 @@ fn cuda_reach(what: &str, hmem: bool) -> std::result::Result<String, String> {
     Ok(format!("{what} registers GPU memory (FI_HMEM, CUDA)"))
 }
 
-/// Whether the loaded libfabric defines the parameter `name` (`fi_getparams`).
+/// Whether the loaded libfabric defines the parameter `name` (`fi_getparams` lists them by
+/// their environment variables' names).
 fn libfabric_has_param(name: &str) -> bool {
     #[repr(C)]
     struct FiParam {
@@ -462,7 +491,7 @@ impl Endpoint {
 
     /// This endpoint's address, for a peer's address vector.
     pub fn name(&self) -> Result<Vec<u8>> {
-        let mut buf = vec![0u8; 256];
+        let mut buf = vec![0u8; MAX_NAME];
         let mut len = buf.len();
         // SAFETY: `buf` holds `len` bytes.
         let r = unsafe { sys::mk_getname(self.ep, buf.as_mut_ptr().cast(), &mut len) };

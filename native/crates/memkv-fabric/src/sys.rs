@@ -117,6 +117,7 @@ extern "C" {
     pub fn mk_info_max_msg(info: *const FiInfo) -> usize;
     pub fn mk_info_key_size(info: *const FiInfo) -> usize;
     pub fn mk_info_caps(info: *const FiInfo) -> u64;
+    pub fn mk_info_addr_str(info: *const FiInfo) -> c_int;
     pub fn mk_open_domain(
         api: *const Api,
         info: *mut FiInfo,

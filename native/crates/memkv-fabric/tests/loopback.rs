@@ -191,3 +191,29 @@ fn fi_hmem_alone_does_not_make_a_domain_reach_cuda_memory() {
         ),
     }
 }
+
+/// A peer's endpoint address is handed to the provider only when it cannot read past it: of
+/// the provider's one size (tcp), or a NUL-terminated name of any length up to 256 bytes (shm,
+/// whose names carry a process id, so a server and its clients differ in length).
+#[test]
+fn peer_addresses_are_checked_by_the_providers_format() {
+    let tcp = fabric();
+    let own = Endpoint::open(&tcp).unwrap().name().unwrap();
+    assert!(tcp.peer_address_ok(own.len(), &own).is_ok());
+    let e = tcp.peer_address_ok(own.len(), &own[1..]).unwrap_err();
+    assert!(e.contains("endpoint address; this provider's are"), "{e}");
+    let shm = Fabric::open(Some("shm"), &[]).expect("libfabric shm provider");
+    let own = Endpoint::open(&shm).unwrap().name().unwrap();
+    assert!(
+        own.contains(&0),
+        "shm names are NUL-terminated strings: {own:?}"
+    );
+    let mut longer = own[..own.len() - 1].to_vec();
+    longer.extend_from_slice(b"7\0");
+    for ok in [&own[..], &longer[..]] {
+        assert!(shm.peer_address_ok(own.len(), ok).is_ok());
+    }
+    for bad in [&own[..own.len() - 1], &[b'x'; 300][..]] {
+        assert!(shm.peer_address_ok(own.len(), bad).is_err());
+    }
+}
