@@ -7,15 +7,16 @@ Decided once, at worker start, and logged in one line:
   narrow it to; every rank computes the same pairing on its own), for providers whose domains are
   NICs (``verbs``, ``efa``, ``tcp``, ``sockets``, or none named). A NIC that does not open keeps
   the configured devices.
-* **Scratch.** ``memkv_scratch_medium: auto`` puts the slots in GPU memory exactly when values can
-  go between them and the server with no copy through host memory: the transport is RDMA, its
-  provider registers GPU memory (FI_HMEM: the client's `gpu_memory()`), and either the NIC shares
-  the GPU's PCIe switch (`_native.gpu_scratch_verdict`: the NIC's DMA into GPU memory then stays
-  below the switch) or the provider is ``shm``, a server on this host, where no NIC is in the path
-  (libfabric moves the bytes between GPU memory and the server's memory with CUDA copies on this
-  host). Anything else (TCP, Redis, a provider without FI_HMEM, a NIC across the root complex)
-  gets host slots. ``gpu`` always gets GPU slots: the network reads and writes them where the
-  transport reaches GPU memory, else each value is staged through a pinned host slot.
+* **Scratch.** ``memkv_scratch_medium: auto`` puts the slots in GPU memory exactly when a NIC
+  moves values between them and the server with no copy through host memory: the transport is
+  RDMA, its provider registers GPU memory (FI_HMEM: the client's `gpu_memory()`), and the NIC
+  shares the GPU's PCIe switch (`_native.gpu_scratch_verdict`: the NIC's DMA into GPU memory then
+  stays below the switch). Anything else (TCP, Redis, a provider without FI_HMEM, a NIC across
+  the root complex) gets host slots, and so does ``shm`` (a server on this host): it reaches GPU
+  memory only through synchronous CUDA copies into its bounce buffers, measured at a fifth of
+  its host-memory speed on an H200 (docs/benchmarks.md), where host slots cost one copy-engine
+  copy. ``gpu`` always gets GPU slots: the network reads and writes them where the transport
+  reaches GPU memory (shm included), else each value is staged through a pinned host slot.
 
 No vLLM imports: `spec.py` passes the KV tensors' device and the options in.
 """
@@ -40,7 +41,8 @@ logger = logging.getLogger("vllm.memkv_direct")
 # Providers whose libfabric domains are NICs (or, for tcp/sockets, network interfaces), so that
 # the rank's NIC is a domain name to open. None: `auto` tries the hardware ones (verbs, efa).
 _NIC_PROVIDERS = (None, "verbs", "efa", "tcp", "sockets")
-# The provider of a server on this host: shared memory, no NIC in the path.
+# The provider of a server on this host: shared memory, no NIC in the path; it copies GPU memory
+# through host bounce buffers, slower than host scratch (see the module doc).
 _SAME_HOST_PROVIDER = "shm"
 
 
@@ -103,7 +105,9 @@ def choose_scratch(requested: str, kv_on_cuda: bool, gpu_memory: tuple[bool, str
     if not reach:
         return ScratchChoice("host", False, f"auto: host, {how}")
     if provider == _SAME_HOST_PROVIDER:
-        return ScratchChoice("gpu", True, f"auto: gpu, the server shares this host ({how})")
+        return ScratchChoice("host", False, "auto: host, the server shares this host over shm, "
+                             "which copies GPU memory through host bounce buffers (slower than "
+                             "host slots; memkv_scratch_medium: gpu hands it the GPU slots)")
     ok, why = verdict(gpu_memory)
     return ScratchChoice("gpu" if ok else "host", ok, f"auto: {'gpu' if ok else 'host'}, {why}")
 

@@ -54,10 +54,13 @@ def test_auto_is_gpu_exactly_where_a_switch_local_nic_reaches_gpu_memory(tree) -
     assert (c.medium, c.device_io) == ("host", False) and "not below its PCIe switch" in c.reason
     c = choose_scratch("auto", True, REACH, "verbs", verdict("0000:00:06.0", vm))
     assert (c.medium, c.device_io) == ("host", False) and "plain network device" in c.reason
-    # shm: the server is on this host and no NIC is in the path.
-    shm = (True, "provider shm on shm registers GPU memory (FI_HMEM)")
-    assert choose_scratch("auto", True, shm, "shm", never) == ScratchChoice(
-        "gpu", True, "auto: gpu, the server shares this host (" + shm[1] + ")")
+    # shm reaches GPU memory only through bounce-buffer copies: auto keeps host slots, gpu
+    # hands it the GPU slots.
+    shm = (True, "provider shm on shm registers GPU memory (FI_HMEM, CUDA)")
+    c = choose_scratch("auto", True, shm, "shm", never)
+    assert (c.medium, c.device_io) == ("host", False) and "over shm" in c.reason
+    c = choose_scratch("gpu", True, shm, "shm", never)
+    assert (c.medium, c.device_io) == ("gpu", True)
     # Host KV never gets GPU scratch; explicit choices are kept, `gpu` staged where needed.
     assert choose_scratch("auto", False, REACH, "verbs", never) == ScratchChoice(
         "host", False, "KV in host memory")
