@@ -15,26 +15,28 @@ from typing import Any
 from memkv_vllm.config import MemKVConfig, load_config
 
 
-def make_client(cfg: MemKVConfig, io_threads: int | None = None) -> Any:
+def make_client(cfg: MemKVConfig, io_threads: int | None = None,
+                gpu_memory: bool = False) -> Any:
     """`MemKVClient` for ``backend: memkv``, `RedisBlockClient` for ``backend: redis``. Raises
-    ValueError / ImportError for a setting this installation cannot honour."""
+    ValueError / ImportError for a setting this installation cannot honour. ``gpu_memory``: ask
+    memkv's RDMA transport to reach GPU memory too (Redis moves host memory only)."""
     if cfg.backend == "redis":
         from memkv_vllm.redis_client import RedisBlockClient
 
         return RedisBlockClient(cfg, io_threads)
     from memkv_vllm.client import MemKVClient
 
-    return MemKVClient.from_config(cfg, io_threads)
+    return MemKVClient.from_config(cfg, io_threads, gpu_memory)
 
 
-def client_or_none(overrides: Mapping[str, Any] | None, log: logging.Logger, who: str
-                   ) -> tuple[Any, MemKVConfig]:
+def client_or_none(overrides: Mapping[str, Any] | None, log: logging.Logger, who: str,
+                   gpu_memory: bool = False) -> tuple[Any, MemKVConfig]:
     """(client or None, settings) for a vLLM-side owner (`who`: "tier", "direct"). A bad setting
     raises (startup); a client that cannot be made is logged on `log` and answered with None, so
     the engine comes up, every lookup misses and it computes everything itself."""
     cfg = load_config(dict(overrides) if overrides else None)
     try:
-        return make_client(cfg), cfg
+        return make_client(cfg, gpu_memory=gpu_memory), cfg
     except Exception as e:  # the engine must come up and recompute rather than die
         log.error("memkv %s: cannot create the %s client (%s); every lookup will miss", who,
                   cfg.backend, e)

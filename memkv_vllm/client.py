@@ -31,12 +31,13 @@ MAX_KEY_LEN: int = _native.MAX_KEY_LEN
 
 
 def buffer_address(obj: Any, writable: bool) -> tuple[int, int]:
-    """(address, byte length) of a contiguous CPU buffer: torch tensor, numpy array, or any
-    object with the buffer protocol. Raises ValueError for memory we cannot safely use."""
+    """(address, byte length) of a contiguous buffer: torch tensor (host, or CUDA for a client
+    whose transport reaches GPU memory: the native client checks), numpy array, or any object
+    with the buffer protocol. Raises ValueError for memory we cannot safely use."""
     # torch.Tensor, recognised without importing torch
     if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):
-        if obj.device.type != "cpu":
-            raise ValueError(f"tensor on {obj.device}: the TCP transport needs host memory")
+        if obj.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"tensor on {obj.device}: memkv moves host or CUDA memory only")
         if not obj.is_contiguous():
             raise ValueError("tensor is not contiguous")
         return int(obj.data_ptr()), int(obj.numel() * obj.element_size())
@@ -159,6 +160,15 @@ class CodesClient:
         ptrs, sizes = _addresses(buffers, writable=True)
         return CodesOp(self._c.submit_get_into(list(keys), ptrs, sizes, list(buffers)))
 
+    def register_buffer(self, ptr: int, nbytes: int) -> None:
+        """As :meth:`MemKVClient.register_buffer`: a block store holding this face registers
+        its buffers (a pool, scratch slots) with the transport through it."""
+        self._c.register_buffer(int(ptr), int(nbytes))
+
+    def unregister_buffer(self, ptr: int) -> None:
+        """As :meth:`MemKVClient.unregister_buffer`."""
+        self._c.unregister_buffer(int(ptr))
+
     def close(self) -> None:
         """Drops the connections (once the I/O threads finish what was submitted), also for
         holders of this object such as a block store."""
@@ -181,9 +191,12 @@ class MemKVClient:
     Batch calls answer with a :class:`Status` per key; ``codes`` (a :class:`CodesClient`) makes
     the same calls answering with one ``bytes`` of codes per batch, the fast path."""
 
-    def __init__(self, config: MemKVConfig, io_threads: int | None = None) -> None:
+    def __init__(self, config: MemKVConfig, io_threads: int | None = None,
+                 gpu_memory: bool = False) -> None:
         """Raises ValueError for a setting this host cannot honour (``transport: rdma`` without
-        libfabric or without a provider domain matching ``rdma_devices``)."""
+        libfabric or without a provider domain matching ``rdma_devices``). ``gpu_memory`` asks
+        the RDMA provider for a domain that also registers GPU memory (see :meth:`gpu_memory`);
+        a provider without one still serves host memory."""
         self.config = config
         self._c = _native.Client(
             list(config.servers),
@@ -194,14 +207,16 @@ class MemKVClient:
             io_threads or config.io_threads,
             config.transport,
             list(config.rdma_devices),
+            gpu_memory,
         )
         self.codes = CodesClient(self._c)
 
     @classmethod
     def from_config(
-        cls, cfg: MemKVConfig | None = None, io_threads: int | None = None
+        cls, cfg: MemKVConfig | None = None, io_threads: int | None = None,
+        gpu_memory: bool = False,
     ) -> MemKVClient:
-        return cls(cfg if cfg is not None else load_config(), io_threads)
+        return cls(cfg if cfg is not None else load_config(), io_threads, gpu_memory)
 
     # -- blocking calls (GIL released during I/O) ------------------------------------------
 
@@ -297,6 +312,17 @@ class MemKVClient:
     def unregister_buffer(self, ptr: int) -> None:
         """Undoes `register_buffer(ptr, ...)`; no transfer touching the region may be running."""
         self._c.unregister_buffer(int(ptr))
+
+    def gpu_memory(self) -> tuple[bool, str]:
+        """``(True, how)`` when transfers and `register_buffer` may name CUDA device memory (the
+        transport is RDMA and its provider registers GPU memory, FI_HMEM; asked for with
+        ``gpu_memory=True``), else ``(False, why not)``. Device memory it cannot move is refused
+        with ValueError before any byte moves."""
+        return self._c.gpu_memory()  # type: ignore[no-any-return]
+
+    def rdma_provider(self) -> str | None:
+        """The libfabric provider values move through (``verbs``, ``shm``, ...); None over TCP."""
+        return self._c.rdma_provider()  # type: ignore[no-any-return]
 
     def close(self) -> None:
         """Drops the connections (once the I/O threads finish what was submitted)."""

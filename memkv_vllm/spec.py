@@ -29,6 +29,7 @@ from memkv_vllm.direct.manager import DirectManager
 from memkv_vllm.direct.namespace import worker_layout
 from memkv_vllm.direct.options import DirectOptions, parse_options
 from memkv_vllm.direct.prefixes import PrefixBoard
+from memkv_vllm.direct.scratch import open_rank_io
 from memkv_vllm.direct.worker import DirectWorker
 from memkv_vllm.interface import Lookup
 from memkv_vllm.offload import KVOffloader, KVRef, PagedKV
@@ -250,10 +251,12 @@ class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[misc,name-defined]
             tokens_per_chunk=f.tokens_per_chunk, kv_layout=f.kv_layout, api=_API.name,
             value_bytes=kv.value_bytes, ref_bytes=[[n for _, n in g] for g in groups],
             hash_algo=_API.hash_algo(), spec_prefix=o.spec_prefix)
-        store, client, cfg = connect(o.client_overrides, n_read_threads=o.load_threads,
-                                     n_write_threads=o.store_threads)
+        io = open_rank_io(kv.device, o.scratch_medium, o.client_overrides,
+                          n_read_threads=o.load_threads, n_write_threads=o.store_threads)
+        store, client, cfg = io.store, io.client, io.cfg
         try:
-            off = KVOffloader(kv, store, medium=o.scratch_medium, scratch_bytes=o.scratch_bytes)
+            off = KVOffloader(kv, store, medium=io.scratch.medium, scratch_bytes=o.scratch_bytes,
+                              device_io=io.scratch.device_io)
         except Exception:
             store.close()
             if client is not None:
@@ -262,10 +265,10 @@ class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[misc,name-defined]
         self._board().publish(f.rank, layout.prefix)
         logger.info(
             "memkv direct worker rank %d: value %s B per chunk of %d blocks (%d tokens), "
-            "scratch medium %s, total scratch %d MiB (%s), key prefix %s, %s", f.rank,
+            "scratch medium %s, total scratch %d MiB (%s), key prefix %s, %s; %s", f.rank,
             "/".join(str(v) for v in kv.value_bytes), f.blocks_per_chunk, f.tokens_per_chunk,
             off.medium, off.n_slots * off.slot_bytes >> 20, off.describe(),
-            layout.prefix.hex(), cfg.describe())
+            layout.prefix.hex(), cfg.describe(), io.describe)
         return MemKVOffloadingWorker(
             DirectWorker(off, layout.prefix, f.rank, f.blocks_per_chunk, o.wait_timeout_s),
             client)

@@ -136,10 +136,17 @@ def test_the_table_shows_gpus_nics_and_the_pairing(tree) -> None:
 def test_gpu_scratch_verdict_needs_a_switch_local_rdma_nic_that_reaches_gpu_memory(tree) -> None:
     pairs, more, bare = tree("switch_pairs"), tree("more_gpus"), tree("no_nic")
     ok, why = _native.gpu_scratch_verdict("00000000:18:00.0", [], pairs)  # nvidia-smi spelling
-    # The topology allows it; the RDMA transport registers host memory only.
+    # The topology allows it; no client said its transport registers GPU memory.
     assert (ok, why) == (False, "RDMA NIC mlx5_2 shares GPU 0000:18:00.0's PCIe switch but "
-                                "memkv's RDMA transport registers host memory only (no FI_HMEM "
-                                "device memory)")
+                                "no transport that registers GPU memory was opened")
+    # The client's `gpu_memory()` answer decides the second condition.
+    assert _native.gpu_scratch_verdict(
+        "0000:18:00.0", [], pairs, (True, "provider verbs on mlx5_2 registers GPU memory")) == (
+        True, "RDMA NIC mlx5_2 shares GPU 0000:18:00.0's PCIe switch and provider verbs on "
+              "mlx5_2 registers GPU memory")
+    ok, why = _native.gpu_scratch_verdict("0000:18:00.0", [], pairs, (False, "no FI_HMEM"))
+    assert (ok, why) == (False, "RDMA NIC mlx5_2 shares GPU 0000:18:00.0's PCIe switch but "
+                                "no FI_HMEM")
     ok, why = _native.gpu_scratch_verdict("0000:08:00.0", [], more)
     assert (ok, why) == (False, "GPU 0000:08:00.0's nearest RDMA NIC mlx5_0 is not below its "
                                 "PCIe switch (same root complex)")

@@ -20,7 +20,11 @@ def connect(overrides: Mapping[str, Any], **store_options: Any
     cannot be made does not: every lookup then misses and every job fails, and the engine
     computes everything itself."""
     client, cfg = client_or_none(overrides, logger, "direct")
+    return store_for(client, cfg, **store_options), client, cfg
+
+
+def store_for(client: Any, cfg: MemKVConfig, **store_options: Any) -> BlockStore:
+    """The block store over `client` (None: every job fails) with `cfg`'s lease."""
     store_options.setdefault("lookup_lease_ms", int(cfg.lease_ms))
     # The store compares status numbers: it takes the client's code-bytes face.
-    store = BlockStore(None if client is None else client.codes, StoreOptions(**store_options))
-    return store, client, cfg
+    return BlockStore(None if client is None else client.codes, StoreOptions(**store_options))

@@ -8,8 +8,9 @@ no SM time is taken from the model. The same call scatters on loads. Host KV ten
 platform) are gathered with memmove.
 
 Scratch medium: `host` keeps the slots in pinned host memory (what a TCP transport reads); `gpu`
-keeps them in device memory (for transports that read device memory) and, while the transport is
-TCP, stages each value through a pinned host slot of the same index.
+keeps them in device memory. With `device_io` (a transport that registers GPU memory: RDMA with
+FI_HMEM) the network reads and writes those device slots themselves and no host memory is
+involved; otherwise each value is staged through a pinned host slot of the same index.
 
 Ordering: every copy runs on the mover's own CUDA stream, after an event recorded on the caller's
 current (compute) stream at submit time, so a store never reads KV the model is still writing and a
@@ -65,7 +66,7 @@ class Mover(Protocol):
     """Copies between a `PagedKV` and `slots` scratch slots of `slot_bytes` each."""
 
     medium: str
-    host: Any  # the uint8 host tensor the transport reads and writes (slot i at i * slot_bytes)
+    io: Any  # the uint8 tensor the transport reads and writes (slot i at i * slot_bytes)
 
     def ready_marker(self) -> Any:
         """Called at submit on the caller's thread: marks the point of the caller's compute
@@ -73,11 +74,11 @@ class Mover(Protocol):
         ...
 
     def gather(self, entries: Sequence[Entry], slots: Sequence[int], ready: Any) -> Fence:
-        """Enqueue KV blocks -> the host slots of `slots` (one value per entry)."""
+        """Enqueue KV blocks -> the `io` slots of `slots` (one value per entry)."""
         ...
 
     def scatter(self, entries: Sequence[Entry], slots: Sequence[int], ready: Any) -> Fence:
-        """Enqueue the host slots of `slots` -> KV blocks."""
+        """Enqueue the `io` slots of `slots` -> KV blocks."""
         ...
 
     def close(self) -> None: ...
@@ -155,8 +156,8 @@ class HostMover:
         import torch
 
         self.kv, self.slot_bytes = kv, slot_bytes
-        self.host = torch.empty(slots * slot_bytes, dtype=torch.uint8)
-        self._base = int(self.host.data_ptr())
+        self.io = torch.empty(slots * slot_bytes, dtype=torch.uint8)
+        self._base = int(self.io.data_ptr())
 
     def ready_marker(self) -> Any:
         return None  # host KV is written synchronously by the model
@@ -224,10 +225,11 @@ METHODS = ("auto", "kernel", "dma")
 class CudaMover:
     """KV tensors on a CUDA device: on a stream of our own, the pieces move by one Triton kernel
     launch (`kernel`, the default where Triton is installed) or one batched copy-engine call
-    (`dma`); whole values between device and host scratch always by copy engine."""
+    (`dma`); whole values between device and host scratch (`gpu` staged) always by copy
+    engine."""
 
     def __init__(self, kv: PagedKV, slots: int, slot_bytes: int, medium: str,
-                 method: str = "auto", programs: int = 32) -> None:
+                 method: str = "auto", programs: int = 32, device_io: bool = False) -> None:
         import torch
 
         self._torch = torch
@@ -249,14 +251,19 @@ class CudaMover:
             if method == "kernel" and self._kernel is None:
                 raise ValueError("copy method 'kernel' needs Triton and 8-byte aligned KV pages")
         self.method = "kernel" if self._kernel is not None else "dma"
+        # Staging: values cross pinned host slots between the device slots and the transport.
+        self.staged = medium == "gpu" and not device_io
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)
-            self.host = torch.empty(slots * slot_bytes, dtype=torch.uint8, pin_memory=True)
+            self.host = (torch.empty(slots * slot_bytes, dtype=torch.uint8, pin_memory=True)
+                         if medium == "host" or self.staged else None)
             self.dev = (torch.empty(slots * slot_bytes, dtype=torch.uint8, device=self.device)
                         if medium == "gpu" else None)
+        self.io = self.host if self.host is not None else self.dev
         self._attrs = _CUmemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
-        self._host_base = int(self.host.data_ptr())
+        self._host_base = int(self.host.data_ptr()) if self.host is not None else 0
         self._dev_base = int(self.dev.data_ptr()) if self.dev is not None else 0
+        scratch_base = self._dev_base or self._host_base
         self._refs: list[Any] = []
         self._rows: Any = None
         if self._kernel is not None:
@@ -270,11 +277,11 @@ class CudaMover:
                         [int(o) for o in kv.ref_offsets(g)], self.device))
                 # Compile both directions now, not in the first jobs, on a table that points
                 # into scratch only (8 bytes back and forth), so no KV byte is touched.
-                probe = self._kernel.ref_table(torch, [self._host_base], [8], [8], [0],
+                probe = self._kernel.ref_table(torch, [scratch_base], [8], [8], [0],
                                                self.device)
                 with torch.cuda.stream(self.stream):
                     for to_kv in (False, True):
-                        _, job = self._rows.take([0], [self._host_base + 8], [0])
+                        _, job = self._rows.take([0], [scratch_base + 8], [0])
                         self._kernel.copy_blocks(probe, 1, job, 1, to_kv, 1)
                 self.stream.synchronize()
 
@@ -327,12 +334,13 @@ class CudaMover:
 
     def _stage_ptrs(self, slots: Sequence[int]) -> tuple[list[int], np.ndarray, np.ndarray]:
         """Scratch slot addresses (device for `gpu`), plus host/device address pairs of the
-        staging copies for `gpu`."""
+        staging copies (used only when `staged`)."""
+        base = self._dev_base or self._host_base
+        scratch = np.array([base + s * self.slot_bytes for s in slots], dtype=np.uint64)
+        if not self.staged:
+            return scratch.tolist(), scratch, scratch
         host = np.array([self._host_base + s * self.slot_bytes for s in slots], dtype=np.uint64)
-        if self.dev is None:
-            return host.tolist(), host, host
-        dev = np.array([self._dev_base + s * self.slot_bytes for s in slots], dtype=np.uint64)
-        return dev.tolist(), host, dev
+        return scratch.tolist(), host, scratch
 
     def _sizes(self, entries: Sequence[Entry]) -> np.ndarray:
         return np.array([self.kv.value_bytes[e.group] for e in entries], dtype=np.uint64)
@@ -342,7 +350,7 @@ class CudaMover:
         with self._torch.cuda.device(self.device):
             self.stream.wait_event(ready)
             used = self._move(entries, scratch, False)
-            if self.dev is not None:
+            if self.staged:
                 self._batch(host, dev, self._sizes(entries))
             return self._fence(used)
 
@@ -350,7 +358,7 @@ class CudaMover:
         scratch, host, dev = self._stage_ptrs(slots)
         with self._torch.cuda.device(self.device):
             self.stream.wait_event(ready)
-            if self.dev is not None:
+            if self.staged:
                 self._batch(dev, host, self._sizes(entries))
             return self._fence(self._move(entries, scratch, True))
 
@@ -374,9 +382,11 @@ def kv_aligned(kv: PagedKV) -> bool:
 
 
 def make_mover(kv: PagedKV, slots: int, slot_bytes: int, medium: str, method: str = "auto",
-               programs: int = 32) -> Mover:
-    """The mover for `kv`'s device and the scratch `medium` (`auto` = host until a transport can
-    read device memory; TCP cannot). `method` and `programs` apply to CUDA KV only."""
+               programs: int = 32, device_io: bool = False) -> Mover:
+    """The mover for `kv`'s device and the scratch `medium` (`auto` = host: whoever knows the
+    transport resolves `auto` first, as direct mode does in `memkv_vllm.direct.scratch`).
+    `device_io`: the transport reads and writes `gpu` scratch itself (no host staging). `method`
+    and `programs` apply to CUDA KV only."""
     if medium not in MEDIUMS:
         raise ValueError(f"scratch medium {medium!r}: expected one of {', '.join(MEDIUMS)}")
     if kv.device.type == "cpu":
@@ -386,4 +396,4 @@ def make_mover(kv: PagedKV, slots: int, slot_bytes: int, medium: str, method: st
     if kv.device.type != "cuda":
         raise ValueError(f"KV tensors on {kv.device}: only CUDA and host memory are supported")
     return CudaMover(kv, slots, slot_bytes, "host" if medium == "auto" else medium, method,
-                     programs)
+                     programs, device_io)

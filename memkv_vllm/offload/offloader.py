@@ -96,7 +96,10 @@ class KVOffloader:
     def __init__(self, kv: PagedKV, store: BlockStore, medium: str = "auto",
                  scratch_bytes: int = 256 << 20, batch_values: int = 4,
                  clock: Callable[[], float] = time.monotonic, copy_method: str = "auto",
-                 copy_programs: int = 32) -> None:
+                 copy_programs: int = 32, device_io: bool = False) -> None:
+        """`medium` as `make_mover` (`auto` = host); `device_io`: the store's transport reads
+        and writes GPU memory (RDMA with FI_HMEM), so `gpu` scratch slots go to the network
+        themselves instead of through pinned host slots."""
         self.kv, self._store, self._clock = kv, store, clock
         self.slot_bytes = -(-kv.max_value_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
         n_slots = scratch_bytes // self.slot_bytes
@@ -104,13 +107,14 @@ class KVOffloader:
             raise ValueError(f"scratch of {scratch_bytes} bytes cannot hold one "
                              f"{kv.max_value_bytes}-byte value")
         self.mover = make_mover(kv, n_slots, self.slot_bytes, medium, copy_method,
-                                copy_programs)
+                                copy_programs, device_io)
         self.medium = self.mover.medium
         self.n_slots = n_slots
         self.batch_values = max(1, batch_values)
-        host = self.mover.host
-        self._host_base = int(host.data_ptr())
-        store.register_buffer(self._host_base, n_slots * self.slot_bytes, owner=host)
+        io = self.mover.io  # the slots the network reads and writes: host, or GPU with device_io
+        self._io_base = int(io.data_ptr())
+        self.device_io = bool(getattr(io, "is_cuda", False))
+        store.register_buffer(self._io_base, n_slots * self.slot_bytes, owner=io)
         self._free = list(range(n_slots - 1, -1, -1))
         self._queues: dict[bool, collections.deque[_Job]] = {
             True: collections.deque(), False: collections.deque()}
@@ -130,9 +134,12 @@ class KVOffloader:
 
     def describe(self) -> str:
         """One line for a startup log."""
+        io = ("the network reads and writes them" if self.device_io else
+              "staged through pinned host slots" if self.medium == "gpu" else "")
         return (f"value {self.kv.max_value_bytes} B, {self.n_slots} scratch slots of "
                 f"{self.slot_bytes} B ({self.n_slots * self.slot_bytes >> 20} MiB), "
-                f"medium {self.medium}, {self.batch_values} values per batch")
+                f"medium {self.medium}{f' ({io})' if io else ''}, "
+                f"{self.batch_values} values per batch")
 
     # ----------------------------------------------------------------------------- submit
     def submit_store(self, job_id: int, entries: Sequence[Entry]) -> None:
@@ -258,7 +265,7 @@ class KVOffloader:
         return False
 
     def _ptrs(self, b: _Batch) -> list[int]:
-        return [self._host_base + s * self.slot_bytes for s in b.slots]
+        return [self._io_base + s * self.slot_bytes for s in b.slots]
 
     def _sizes(self, b: _Batch) -> list[int]:
         return [self.kv.value_bytes[e.group] for e in b.entries]

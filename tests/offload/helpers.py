@@ -12,13 +12,14 @@ from memkv_vllm.store import BlockStore, StoreOptions
 
 
 def offloader(address: str, kv: PagedKV, medium: str = "auto", scratch_values: int = 64,
-              copy_method: str = "auto", batch_values: int = 4,
-              **store_opts: object) -> KVOffloader:
-    client = MemKVClient.from_config(load_config({"servers": [address]}))
+              copy_method: str = "auto", batch_values: int = 4, device_io: bool = False,
+              client: MemKVClient | None = None, **store_opts: object) -> KVOffloader:
+    if client is None:
+        client = MemKVClient.from_config(load_config({"servers": [address]}))
     store = BlockStore(client, StoreOptions(**store_opts))  # type: ignore[arg-type]
     slot = -(-kv.max_value_bytes // 4096) * 4096
     return KVOffloader(kv, store, medium=medium, scratch_bytes=scratch_values * slot,
-                       batch_values=batch_values, copy_method=copy_method)
+                       batch_values=batch_values, copy_method=copy_method, device_io=device_io)
 
 
 def run(off: KVOffloader, job_id: int, entries: list[Entry], load: bool,

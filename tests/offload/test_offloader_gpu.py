@@ -112,3 +112,54 @@ def test_submit_does_not_wait_for_the_compute_stream(memkv_server_factory):
     assert not busy.query(), "submit waited for the compute stream"
     assert off.drain(60) and off.poll()[0].ok
     off.close()
+
+
+def test_gpu_scratch_read_by_the_network_needs_a_transport_that_reaches_gpu_memory(
+        memkv_server_factory):
+    """`device_io` hands the GPU scratch slots themselves to the transport: over TCP that is
+    refused at construction, with the reason, instead of failing every job; without it the gpu
+    slots are staged through pinned host slots the transport reads."""
+    srv = memkv_server_factory()
+    kv = LAYOUTS["kv_per_layer"](8, "cuda")
+    with pytest.raises(ValueError, match=r"GPU memory \(CUDA device \d+\).*TCP transport moves "
+                                         r"host memory only"):
+        offloader(srv.address, kv, medium="gpu", device_io=True)
+    staged = offloader(srv.address, kv, medium="gpu")
+    assert staged.mover.staged and staged.mover.io is staged.mover.host
+    assert not staged.device_io and "staged through pinned host slots" in staged.describe()
+    staged.close()
+
+
+def test_gpu_scratch_goes_to_the_network_without_host_slots(memkv_server_factory, monkeypatch):
+    """Over a provider that registers GPU memory (MEMKV_TEST_GPU_PROVIDER, e.g. shm on a
+    libfabric built with CUDA), the values go between the GPU slots and the server directly:
+    no pinned host slot exists, and stores and loads are byte-exact."""
+    import os
+
+    from memkv_vllm.client import MemKVClient
+    from memkv_vllm.config import load_config
+
+    prov = os.environ.get("MEMKV_TEST_GPU_PROVIDER")
+    if not prov:
+        pytest.skip("needs MEMKV_TEST_GPU_PROVIDER (a libfabric provider with FI_HMEM)")
+    monkeypatch.setenv("MEMKV_RDMA", "true")
+    monkeypatch.setenv("MEMKV_RDMA_PROVIDER", prov)
+    monkeypatch.delenv("MEMKV_RDMA_DEVICES", raising=False)
+    srv = memkv_server_factory(memory="1G")
+    client = MemKVClient(load_config({"servers": [srv.address], "transport": "rdma"}),
+                         gpu_memory=True)
+    ok, why = client.gpu_memory()
+    if not ok:
+        pytest.skip(f"provider {prov} does not register GPU memory here: {why}")
+    kv = LAYOUTS["padded_two_groups"](24, "cuda", small=False, bpv=2)
+    off = offloader(srv.address, kv, medium="gpu", device_io=True, client=client,
+                    scratch_values=4)
+    assert off.device_io and off.mover.host is None and off.mover.io is off.mover.dev
+    src, dst = list(range(0, 12)), list(range(12, 24))
+    for g in range(len(kv.groups)):
+        assert run(off, 1 + 2 * g, entries(b"d%d" % g, g, src, bpv=2), load=False).ok
+        r = run(off, 2 + 2 * g, [Entry(b"d%d/%d" % (g, i), g, tuple(dst[i:i + 2]))
+                                 for i in range(0, len(dst), 2)], load=True)
+        assert r.ok
+        assert [block_bytes(kv, g, b) for b in dst] == [block_bytes(kv, g, b) for b in src]
+    off.close()

@@ -24,6 +24,8 @@ pub mod transport;
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
+pub use memkv_fabric::{memory, Memory};
+
 pub use conn::Buf;
 use conn::{Conn, ConnError};
 pub use exec::{Executor, Op, OpResult};
@@ -51,14 +53,30 @@ pub enum TransportChoice {
 /// so they are used only when named (`MEMKV_RDMA_PROVIDER`, `rdma_provider`).
 pub const AUTO_PROVIDERS: [&str; 2] = ["verbs", "efa"];
 
+/// Why the TCP transport moves no GPU memory.
+const TCP_HOST_ONLY: &str = "the TCP transport moves host memory only (GPU memory needs \
+     transport 'rdma' on a provider that registers it, FI_HMEM)";
+
+/// The startup log's words on GPU memory.
+fn gpu_memory_line(r: &rdma::Rdma) -> String {
+    match r.gpu_memory() {
+        Ok(how) => format!("yes: {how}"),
+        Err(why) => format!("no: {why}"),
+    }
+}
+
 /// `auto`'s RDMA transport: the named provider, else the first of `AUTO_PROVIDERS` that opens.
-fn open_auto(provider: Option<&str>, devices: &[String]) -> Result<rdma::Rdma, String> {
+fn open_auto(
+    provider: Option<&str>,
+    devices: &[String],
+    gpu_memory: bool,
+) -> Result<rdma::Rdma, String> {
     if provider.is_some() {
-        return rdma::Rdma::open(provider, devices, false);
+        return rdma::Rdma::open(provider, devices, false, gpu_memory);
     }
     let mut why = Vec::new();
     for p in AUTO_PROVIDERS {
-        match rdma::Rdma::open(Some(p), devices, false) {
+        match rdma::Rdma::open(Some(p), devices, false, gpu_memory) {
             Ok(r) => return Ok(r),
             Err(e) => why.push(format!("{p}: {e}")),
         }
@@ -88,6 +106,10 @@ pub struct ClientConfig {
     /// libfabric provider (`verbs`, `efa`, `tcp`); None: `MEMKV_RDMA_PROVIDER`, else the first
     /// provider libfabric offers.
     pub rdma_provider: Option<String>,
+    /// Ask the RDMA provider for a domain that also registers GPU memory (FI_HMEM), so that
+    /// transfers may name CUDA device buffers (`Client::gpu_memory` says whether it has one).
+    /// Asked only when wanted: a provider without it still serves host memory.
+    pub gpu_memory: bool,
 }
 
 impl Default for ClientConfig {
@@ -102,6 +124,7 @@ impl Default for ClientConfig {
             transport: TransportChoice::Tcp,
             rdma_devices: Vec::new(),
             rdma_provider: None,
+            gpu_memory: false,
         }
     }
 }
@@ -199,32 +222,42 @@ impl Client {
         let transport: Arc<dyn Transport> = match cfg.transport {
             TransportChoice::Tcp => Arc::new(Tcp),
             TransportChoice::Rdma => {
-                let r = rdma::Rdma::open(provider.as_deref(), &cfg.rdma_devices, true)
-                    .map_err(|e| format!("transport 'rdma': {e}"))?;
+                let r =
+                    rdma::Rdma::open(provider.as_deref(), &cfg.rdma_devices, true, cfg.gpu_memory)
+                        .map_err(|e| format!("transport 'rdma': {e}"))?;
+                tracing::info!(
+                    provider = r.provider(),
+                    domain = r.domain(),
+                    gpu_memory = %gpu_memory_line(&r),
+                    "memkv transport 'rdma'"
+                );
                 registrations = Some(r.cache().clone());
                 rdma_provider = Some(r.provider().to_string());
                 Arc::new(r)
             }
-            TransportChoice::Auto => match open_auto(provider.as_deref(), &cfg.rdma_devices) {
-                Ok(r) => {
-                    tracing::info!(
-                        provider = r.provider(),
-                        domain = r.domain(),
-                        "memkv transport 'auto': using RDMA"
-                    );
-                    registrations = Some(r.cache().clone());
-                    rdma_provider = Some(r.provider().to_string());
-                    Arc::new(r)
-                }
-                Err(e) => {
-                    static SAID: Once = Once::new();
-                    SAID.call_once(|| {
-                        tracing::info!(rdma_devices = ?cfg.rdma_devices, reason = %e,
+            TransportChoice::Auto => {
+                match open_auto(provider.as_deref(), &cfg.rdma_devices, cfg.gpu_memory) {
+                    Ok(r) => {
+                        tracing::info!(
+                            provider = r.provider(),
+                            domain = r.domain(),
+                            gpu_memory = %gpu_memory_line(&r),
+                            "memkv transport 'auto': using RDMA"
+                        );
+                        registrations = Some(r.cache().clone());
+                        rdma_provider = Some(r.provider().to_string());
+                        Arc::new(r)
+                    }
+                    Err(e) => {
+                        static SAID: Once = Once::new();
+                        SAID.call_once(|| {
+                            tracing::info!(rdma_devices = ?cfg.rdma_devices, reason = %e,
                                 "memkv transport 'auto': no usable RDMA; using TCP");
-                    });
-                    Arc::new(Tcp)
+                        });
+                        Arc::new(Tcp)
+                    }
                 }
-            },
+            }
         };
         let pc = Arc::new(PoolConfig {
             auth_key: cfg.auth_key.clone(),
@@ -248,14 +281,61 @@ impl Client {
 
     /// Registers `[ptr, ptr + len)` with the RDMA transport as one region (e.g. a whole pool of
     /// blocks, so that its blocks share one registration instead of one each); a no-op over TCP.
+    /// Host memory or, where `gpu_memory()` is Ok, CUDA device memory (found out here); GPU
+    /// memory the transport cannot reach is an error.
     ///
     /// # Safety
     /// The memory must stay mapped until `unregister_memory(ptr)`.
     pub unsafe fn register_memory(&self, ptr: usize, len: usize) -> Result<(), String> {
         match &self.registrations {
             Some(c) => c.pin(ptr, len).map_err(|e| e.to_string()),
-            None => Ok(()),
+            None => match memkv_fabric::memory::locate(ptr) {
+                Memory::Host => Ok(()),
+                mem => Err(format!(
+                    "cannot register {mem} at {ptr:#x}: {TCP_HOST_ONLY}"
+                )),
+            },
         }
+    }
+
+    /// Ok (how) when transfers may name GPU memory: the transport is RDMA and its domain
+    /// registers CUDA device memory. Else why not.
+    pub fn gpu_memory(&self) -> Result<String, String> {
+        match &self.registrations {
+            Some(c) => c
+                .fabric()
+                .device_memory()
+                .map(String::from)
+                .map_err(String::from),
+            None => Err(TCP_HOST_ONLY.into()),
+        }
+    }
+
+    /// Checks that every buffer is memory this client's transport can move: host memory, or GPU
+    /// memory where `gpu_memory()` is Ok. A transfer must not be given any other: TCP would
+    /// hand a device pointer to the kernel's socket calls, a provider without FI_HMEM to its
+    /// CPU copies. Costless in a process without the CUDA driver; else one driver query per
+    /// buffer not inside a registered region.
+    pub fn check_buffers(&self, bufs: &[Buf]) -> Result<(), String> {
+        if !memkv_fabric::memory::cuda_loaded() {
+            return Ok(());
+        }
+        let Err(why) = self.gpu_memory() else {
+            return Ok(()); // every kind of memory moves
+        };
+        for (i, b) in bufs.iter().enumerate().filter(|(_, b)| b.len > 0) {
+            let mem = match &self.registrations {
+                Some(c) => c.memory_of(b.ptr, b.len),
+                None => memkv_fabric::memory::locate(b.ptr),
+            };
+            if let Memory::Cuda(_) = mem {
+                return Err(format!(
+                    "buffer {i} at {:#x} is {mem}, which this client cannot move: {why}",
+                    b.ptr
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Undoes `register_memory(ptr, ..)`; no transfer touching the region may be running.

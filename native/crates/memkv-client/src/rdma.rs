@@ -38,9 +38,15 @@ pub struct Rdma {
 }
 
 impl Rdma {
-    /// Loads libfabric and opens `provider`'s domain (the first in `devices` when not empty).
-    pub fn open(provider: Option<&str>, devices: &[String], strict: bool) -> Result<Rdma, String> {
-        let fab = Fabric::open(provider, devices).map_err(|e| e.to_string())?;
+    /// Loads libfabric and opens `provider`'s domain (the first in `devices` when not empty);
+    /// with `gpu_memory`, one that also registers GPU memory where the provider has one.
+    pub fn open(
+        provider: Option<&str>,
+        devices: &[String],
+        strict: bool,
+        gpu_memory: bool,
+    ) -> Result<Rdma, String> {
+        let fab = Fabric::open_for(provider, devices, gpu_memory).map_err(|e| e.to_string())?;
         Ok(Rdma {
             cache: Arc::new(MrCache::new(fab.clone(), MR_CACHE_ENTRIES)),
             fab,
@@ -58,6 +64,11 @@ impl Rdma {
 
     pub fn cache(&self) -> &Arc<MrCache> {
         &self.cache
+    }
+
+    /// Ok (how) when transfers may use GPU memory, else why not.
+    pub fn gpu_memory(&self) -> Result<&str, &str> {
+        self.fab.device_memory()
     }
 }
 

@@ -192,3 +192,51 @@ fn auto_never_picks_a_software_provider_unless_named() {
     s.shutdown();
     s.wait();
 }
+
+/// A client asked to reach GPU memory opens the tcp provider's host-only domain (tcp has no
+/// FI_HMEM) and says so; host buffers pass the check and move as before.
+#[test]
+fn gpu_memory_is_asked_for_and_a_provider_without_it_still_moves_host_memory() {
+    let s = server(16 << 20, true);
+    let asked = Client::new(ClientConfig {
+        servers: vec![s.addr.to_string()],
+        transport: TransportChoice::Rdma,
+        rdma_devices: vec!["lo".into()],
+        rdma_provider: Some("tcp".into()),
+        gpu_memory: true,
+        ..ClientConfig::default()
+    })
+    .unwrap();
+    let why = asked.gpu_memory().unwrap_err();
+    assert!(
+        why.contains("provider tcp offers no domain that registers GPU memory (FI_HMEM)"),
+        "{why}"
+    );
+    let plain = client(&s, TransportChoice::Rdma);
+    assert!(plain.gpu_memory().unwrap_err().contains("not asked"));
+    let over_tcp = client(&s, TransportChoice::Tcp);
+    assert!(over_tcp
+        .gpu_memory()
+        .unwrap_err()
+        .contains("the TCP transport moves host memory only"));
+    let v = value(5, 70_000);
+    let mut out = vec![0u8; v.len()];
+    for c in [&asked, &over_tcp] {
+        c.check_buffers(&[Buf::of(&v), Buf::of_mut(&mut out)])
+            .unwrap();
+        // SAFETY: `v` and `out` outlive the calls.
+        unsafe {
+            c.register_memory(v.as_ptr() as usize, v.len()).unwrap();
+            assert_eq!(c.put(&[b"g".to_vec()], &[Buf::of(&v)]), [Status::Ok]);
+            assert_eq!(
+                c.get(&[b"g".to_vec()], &[Buf::of_mut(&mut out)]),
+                [Status::Ok]
+            );
+        }
+        assert_eq!(out, v);
+        c.unregister_memory(v.as_ptr() as usize);
+        out.fill(0);
+    }
+    s.shutdown();
+    s.wait();
+}

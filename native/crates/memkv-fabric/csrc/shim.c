@@ -30,8 +30,10 @@ struct mk_api {
 	int (*fabric)(struct fi_fabric_attr *attr, struct fid_fabric **fabric, void *context);
 };
 
-/* The API version we ask for: the oldest that has every call and mode bit used here. */
+/* The API version we ask for: the oldest that has every call and mode bit used here. Device
+ * memory (FI_HMEM, fi_mr_attr's iface and device) came with 1.10, asked for only with it. */
 #define MK_FI_VERSION FI_VERSION(1, 9)
+#define MK_FI_VERSION_HMEM FI_VERSION(1, 10)
 
 /* The capabilities memkv needs: the server reads and writes client memory (FI_READ,
  * FI_WRITE), the client's memory is the target (FI_REMOTE_READ, FI_REMOTE_WRITE). */
@@ -40,17 +42,20 @@ struct mk_api {
 /* Memory-registration modes memkv handles (see the Rust side for what each changes). */
 #define MK_MR_MODES (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY)
 
-int mk_getinfo(const struct mk_api *api, const char *prov_name, struct fi_info **out)
+/* `hmem`: also ask for device memory (FI_HMEM; FI_MR_HMEM: such memory is registered, which
+ * memkv does for every buffer anyway). A provider without it then lists nothing: the caller asks
+ * again without. */
+int mk_getinfo(const struct mk_api *api, const char *prov_name, int hmem, struct fi_info **out)
 {
 	struct fi_info *hints = api->dupinfo(NULL);
 	int ret;
 
 	if (!hints)
 		return -FI_ENOMEM;
-	hints->caps = MK_CAPS;
+	hints->caps = MK_CAPS | (hmem ? FI_HMEM : 0);
 	hints->mode = FI_CONTEXT | FI_CONTEXT2;
 	hints->ep_attr->type = FI_EP_RDM;
-	hints->domain_attr->mr_mode = MK_MR_MODES;
+	hints->domain_attr->mr_mode = MK_MR_MODES | (hmem ? FI_MR_HMEM : 0);
 	hints->domain_attr->threading = FI_THREAD_SAFE;
 	/* A write completes only once the bytes are in the target's memory, not when they left
 	 * ours: the server replies to a GET after its writes complete, on another connection, so
@@ -64,7 +69,7 @@ int mk_getinfo(const struct mk_api *api, const char *prov_name, struct fi_info *
 			return -FI_ENOMEM;
 		}
 	}
-	ret = api->getinfo(MK_FI_VERSION, NULL, NULL, 0, hints, out);
+	ret = api->getinfo(hmem ? MK_FI_VERSION_HMEM : MK_FI_VERSION, NULL, NULL, 0, hints, out);
 	api->freeinfo(hints); /* frees prov_name too */
 	return ret;
 }
@@ -77,6 +82,10 @@ uint64_t mk_info_mr_mode(const struct fi_info *info) { return info->domain_attr-
 size_t mk_info_tx_size(const struct fi_info *info) { return info->tx_attr->size; }
 size_t mk_info_max_msg(const struct fi_info *info) { return info->ep_attr->max_msg_size; }
 size_t mk_info_key_size(const struct fi_info *info) { return info->domain_attr->mr_key_size; }
+uint64_t mk_info_caps(const struct fi_info *info) { return info->caps; }
+/* Whether the provider's endpoint addresses are NUL-terminated strings of varying length (shm:
+ * FI_ADDR_STR) rather than structures of one size (sockaddr, verbs, efa). */
+int mk_info_addr_str(const struct fi_info *info) { return info->addr_format == FI_ADDR_STR; }
 
 int mk_open_domain(const struct mk_api *api, struct fi_info *info, struct fid_fabric **fabric,
 		   struct fid_domain **domain)
@@ -171,12 +180,32 @@ int mk_av_insert(struct fid_av *av, const void *addr, uint64_t *fi_addr)
 }
 
 /* Registers [buf, buf+len) for `access` (FI_READ | FI_WRITE | FI_REMOTE_READ | ...).
- * `requested_key` matters only without FI_MR_PROV_KEY. */
+ * `requested_key` matters only without FI_MR_PROV_KEY. `iface` is FI_HMEM_SYSTEM for host
+ * memory (registered with fi_mr_reg, as every provider supports) or FI_HMEM_CUDA for memory of
+ * CUDA device `device` (fi_mr_regattr, which carries the interface; only on a domain opened
+ * with FI_HMEM, where libfabric passes it on to the provider instead of assuming host memory). */
 int mk_mr_reg(struct fid_domain *domain, void *buf, size_t len, uint64_t access,
-	      uint64_t requested_key, struct fid_mr **mr, void **desc, uint64_t *key)
+	      uint64_t requested_key, int iface, int device, struct fid_mr **mr, void **desc,
+	      uint64_t *key)
 {
-	int ret = fi_mr_reg(domain, buf, len, access, 0, requested_key, 0, mr, NULL);
+	struct fi_mr_attr attr;
+	struct iovec iov;
+	int ret;
 
+	if (iface == FI_HMEM_SYSTEM) {
+		ret = fi_mr_reg(domain, buf, len, access, 0, requested_key, 0, mr, NULL);
+	} else {
+		memset(&attr, 0, sizeof(attr));
+		iov.iov_base = buf;
+		iov.iov_len = len;
+		attr.mr_iov = &iov;
+		attr.iov_count = 1;
+		attr.access = access;
+		attr.requested_key = requested_key;
+		attr.iface = (enum fi_hmem_iface)iface;
+		attr.device.cuda = device;
+		ret = fi_mr_regattr(domain, &attr, 0, mr);
+	}
 	if (ret)
 		return ret;
 	*desc = fi_mr_desc(*mr);
@@ -197,6 +226,9 @@ uint64_t mk_access_remote_write(void) { return FI_REMOTE_WRITE; }
 uint64_t mk_mr_virt_addr(void) { return FI_MR_VIRT_ADDR; }
 uint64_t mk_mr_prov_key(void) { return FI_MR_PROV_KEY; }
 uint64_t mk_mr_local(void) { return FI_MR_LOCAL; }
+uint64_t mk_cap_hmem(void) { return FI_HMEM; }
+int mk_hmem_system(void) { return FI_HMEM_SYSTEM; }
+int mk_hmem_cuda(void) { return FI_HMEM_CUDA; }
 size_t mk_context_size(void) { return sizeof(struct fi_context2); }
 
 /* One RDMA write (local to remote) or read (remote into local). */

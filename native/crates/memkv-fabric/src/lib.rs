@@ -1,14 +1,16 @@
 //! libfabric for memkv's one-sided data path, loaded with dlopen at first use and never linked,
 //! so a process that never asks for RDMA (and a host without libfabric) is unaffected.
 //!
-//! `Fabric` is one provider's fabric and domain; `Mr` a memory registration; `MrCache` the
-//! client's bounded cache of them; `Endpoint` a reliable-datagram endpoint with its completion
+//! `Fabric` is one provider's fabric and domain; `Mr` a memory registration (of host memory, or
+//! of GPU memory where the domain reaches it: `memory::locate` says which a buffer is);
+//! `MrCache` the client's bounded cache of them; `Endpoint` a reliable-datagram endpoint with its completion
 //! queue and address vector, which runs batches of RDMA reads and writes (`Endpoint::run`) and
 //! drives the provider's progress for a passive side (`Endpoint::progress`).
 //!
 //! Which provider: `verbs` (InfiniBand/RoCE) and `efa` where the hardware is, `tcp` (and
 //! `sockets`) anywhere, which is how the tests run the real path over loopback.
 
+pub mod memory;
 mod mr;
 mod sys;
 
@@ -18,6 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub use memory::Memory;
 pub use mr::{Mr, MrCache};
 use sys::{FiInfo, Fid, Lib};
 
@@ -82,6 +85,10 @@ pub struct Fabric {
     pub depth: usize,
     /// Largest single read or write.
     pub max_msg: usize,
+    /// Ok: the domain registers CUDA device memory (how, for logs); Err: why it does not.
+    device_memory: std::result::Result<String, String>,
+    /// Endpoint addresses are NUL-terminated strings (shm), not structures of one size.
+    addr_str: bool,
     next_key: AtomicU64,
 }
 
@@ -89,6 +96,8 @@ pub struct Fabric {
 unsafe impl Send for Fabric {}
 unsafe impl Sync for Fabric {}
 
+/// Longest endpoint address `Endpoint::name` reads (and a string address may be).
+const MAX_NAME: usize = 256;
 /// Most operations an endpoint keeps in flight, whatever the provider allows.
 const MAX_DEPTH: usize = 256;
 /// Largest piece one read or write moves: bigger values are split, so one value does not hold
@@ -97,19 +106,60 @@ const MAX_PIECE: usize = 4 << 20;
 
 impl Fabric {
     /// Opens the first fabric of `provider` (any when None) whose domain is in `domains` (any
-    /// when empty) that offers RDMA reads and writes on reliable-datagram endpoints.
+    /// when empty) that offers RDMA reads and writes on reliable-datagram endpoints, for host
+    /// memory.
     pub fn open(provider: Option<&str>, domains: &[String]) -> Result<Arc<Fabric>> {
+        Fabric::open_for(provider, domains, false)
+    }
+
+    /// `open`; with `device_memory`, asks first for a domain that also registers GPU memory
+    /// (FI_HMEM) and, where the provider (or this libfabric build) has none, opens the host-only
+    /// one: `device_memory()` then says why GPU memory is out of reach.
+    pub fn open_for(
+        provider: Option<&str>,
+        domains: &[String],
+        device_memory: bool,
+    ) -> Result<Arc<Fabric>> {
         let lib = Lib::get().map_err(|e| FabricError::other("dlopen", e))?;
         let prov = provider
             .map(CString::new)
             .transpose()
             .map_err(|_| FabricError::other("fi_getinfo", "provider name contains NUL"))?;
+        let not_asked = "GPU memory was not asked for (FI_HMEM)".to_string();
+        if device_memory {
+            match Fabric::open_with(lib, prov.as_deref(), domains, true) {
+                Ok(f) => return Ok(f),
+                Err(e) => {
+                    let why = format!(
+                        "provider {} offers no domain that registers GPU memory (FI_HMEM): {e}",
+                        provider.unwrap_or("(any)")
+                    );
+                    return Fabric::open_with(lib, prov.as_deref(), domains, false).map(|mut f| {
+                        Arc::get_mut(&mut f).expect("not shared yet").device_memory = Err(why);
+                        f
+                    });
+                }
+            }
+        }
+        Fabric::open_with(lib, prov.as_deref(), domains, false).map(|mut f| {
+            Arc::get_mut(&mut f).expect("not shared yet").device_memory = Err(not_asked);
+            f
+        })
+    }
+
+    fn open_with(
+        lib: &'static Lib,
+        prov: Option<&std::ffi::CStr>,
+        domains: &[String],
+        hmem: bool,
+    ) -> Result<Arc<Fabric>> {
         let mut infos: *mut FiInfo = std::ptr::null_mut();
         // SAFETY: `lib.api` holds libfabric's functions; the hints are built inside the shim.
         let r = unsafe {
             sys::mk_getinfo(
                 &lib.api,
-                prov.as_ref().map_or(std::ptr::null(), |p| p.as_ptr()),
+                prov.map_or(std::ptr::null(), |p| p.as_ptr()),
+                c_int::from(hmem),
                 &mut infos,
             )
         };
@@ -159,6 +209,15 @@ impl Fabric {
                 prov_key: mr_mode & sys::mk_mr_prov_key() != 0,
                 depth: sys::mk_info_tx_size(info).clamp(1, MAX_DEPTH),
                 max_msg: sys::mk_info_max_msg(info).clamp(1, MAX_PIECE),
+                device_memory: cuda_reach(
+                    &format!(
+                        "provider {} on {}",
+                        sys::cstr(sys::mk_info_prov(info)),
+                        sys::cstr(sys::mk_info_domain(info))
+                    ),
+                    sys::mk_info_caps(info) & sys::mk_cap_hmem() != 0,
+                ),
+                addr_str: sys::mk_info_addr_str(info) != 0,
                 next_key: AtomicU64::new(1),
             }
         };
@@ -172,16 +231,77 @@ impl Fabric {
         }
         tracing::debug!(provider = %f.provider, domain = %f.domain_name,
             fabric = %unsafe { sys::cstr(sys::mk_info_fabric(info)) },
-            virt_addr = f.virt_addr, prov_key = f.prov_key, depth = f.depth, "libfabric domain open");
+            virt_addr = f.virt_addr, prov_key = f.prov_key, depth = f.depth,
+            device_memory = ?f.device_memory, "libfabric domain open");
         Ok(Arc::new(f))
     }
 
-    /// Registers `len` bytes at `ptr`: for the server's own memory (`remote` false: local
-    /// reads and writes) or for a client's memory the server reads and writes (`remote` true).
+    /// Whether `addr`, a peer's endpoint address, is one the provider can read without reading
+    /// past it: of the length of this domain's own (`own_len`), or, for string addresses (shm),
+    /// NUL-terminated within its bytes and no longer than `own_len` allows a name to be.
+    pub fn peer_address_ok(&self, own_len: usize, addr: &[u8]) -> std::result::Result<(), String> {
+        if self.addr_str {
+            if addr.len() <= MAX_NAME && addr.contains(&0) {
+                return Ok(());
+            }
+            return Err(format!(
+                "a {}-byte endpoint address that is no NUL-terminated name of at most {MAX_NAME} \
+                 bytes",
+                addr.len()
+            ));
+        }
+        if addr.len() != own_len {
+            return Err(format!(
+                "a {}-byte endpoint address; this provider's are {own_len} bytes",
+                addr.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Ok (how, for a log line) when this domain registers CUDA device memory, else why not.
+    pub fn device_memory(&self) -> std::result::Result<&str, &str> {
+        match &self.device_memory {
+            Ok(how) => Ok(how),
+            Err(why) => Err(why),
+        }
+    }
+
+    /// Registers `len` bytes of host memory at `ptr`: for the server's own memory (`remote`
+    /// false: local reads and writes) or for a client's memory the server reads and writes
+    /// (`remote` true).
     ///
     /// # Safety
     /// The memory must stay mapped until the returned `Mr` is closed (dropped or revoked).
     pub unsafe fn register(self: &Arc<Self>, ptr: usize, len: usize, remote: bool) -> Result<Mr> {
+        self.register_memory(ptr, len, remote, Memory::Host)
+    }
+
+    /// `register` for memory that lives where `mem` says. GPU memory on a domain that does not
+    /// register it is refused here, before libfabric sees it: a provider handed a device
+    /// pointer as host memory would copy from it on the CPU and crash the process.
+    ///
+    /// # Safety
+    /// As `register`; `mem` must say truly where the memory lives (`memory::locate`).
+    pub unsafe fn register_memory(
+        self: &Arc<Self>,
+        ptr: usize,
+        len: usize,
+        remote: bool,
+        mem: Memory,
+    ) -> Result<Mr> {
+        let (iface, device) = match mem {
+            Memory::Host => (sys::mk_hmem_system(), 0),
+            Memory::Cuda(d) => {
+                if let Err(why) = &self.device_memory {
+                    return Err(FabricError::other(
+                        "fi_mr_regattr",
+                        format!("cannot register {mem} at {ptr:#x}: {why}"),
+                    ));
+                }
+                (sys::mk_hmem_cuda(), d)
+            }
+        };
         let access = if remote {
             sys::mk_access_remote_read() | sys::mk_access_remote_write()
         } else {
@@ -199,6 +319,8 @@ impl Fabric {
             len,
             access,
             requested,
+            iface,
+            device,
             &mut fid,
             &mut desc,
             &mut key,
@@ -206,7 +328,7 @@ impl Fabric {
         if r != 0 {
             return Err(FabricError::new("fi_mr_reg", r));
         }
-        Ok(Mr::new(self.clone(), fid, desc, key, ptr, len))
+        Ok(Mr::new(self.clone(), fid, desc, key, ptr, len, mem))
     }
 
     /// The address a peer names `ptr` by in a remote operation on a registration starting at
@@ -229,6 +351,78 @@ impl Drop for Fabric {
             sys::mk_close(self.fabric);
             (self.lib.api.freeinfo)(self.infos);
         }
+    }
+}
+
+/// Whether a domain (`what`: its provider and name) with or without FI_HMEM registers CUDA
+/// memory. FI_HMEM alone does not say so: some providers (shm) list it in every build, and
+/// the distributions' libfabric is built without CUDA; a provider handed CUDA memory by such a
+/// build would call CUDA functions it never loaded. So CUDA must also be compiled in (the build
+/// then defines its `FI_HMEM_CUDA_ENABLE_XFER` parameter) and started: libfabric loads the CUDA
+/// runtime by the name `libcudart.so` when it initialises, and unloads it when no device
+/// answers.
+fn cuda_reach(what: &str, hmem: bool) -> std::result::Result<String, String> {
+    if !hmem {
+        return Err(format!("{what} registers host memory only (no FI_HMEM)"));
+    }
+    if !libfabric_has_param("FI_HMEM_CUDA_ENABLE_XFER") {
+        return Err(format!(
+            "{what} offers FI_HMEM but this libfabric is built without CUDA support"
+        ));
+    }
+    // SAFETY: RTLD_NOLOAD only looks for a library already loaded; nothing is run.
+    let cudart = unsafe {
+        libloading::os::unix::Library::open(
+            Some("libcudart.so"),
+            libc::RTLD_NOW | libc::RTLD_NOLOAD,
+        )
+    };
+    if cudart.is_err() {
+        return Err(format!(
+            "{what} offers FI_HMEM but libfabric's CUDA support did not start (it loads \
+             libcudart.so, which must be on the library path, and needs a CUDA device)"
+        ));
+    }
+    Ok(format!("{what} registers GPU memory (FI_HMEM, CUDA)"))
+}
+
+/// Whether the loaded libfabric defines the parameter `name` (`fi_getparams` lists them by
+/// their environment variables' names).
+fn libfabric_has_param(name: &str) -> bool {
+    #[repr(C)]
+    struct FiParam {
+        name: *const std::ffi::c_char,
+        kind: c_int,
+        help: *const std::ffi::c_char,
+        value: *const std::ffi::c_char,
+    }
+    type GetParams = unsafe extern "C" fn(*mut *mut FiParam, *mut c_int) -> c_int;
+    type FreeParams = unsafe extern "C" fn(*mut FiParam);
+    // SAFETY: the library is the one `Lib` loaded (RTLD_NOLOAD takes a reference by its
+    // soname); both functions have the C signatures of fabric.h's fi_getparams and
+    // fi_freeparams, and `struct fi_param` is four pointer-sized fields.
+    unsafe {
+        let Ok(lib) = libloading::os::unix::Library::open(
+            Some(sys::LIBFABRIC),
+            libc::RTLD_NOW | libc::RTLD_NOLOAD,
+        ) else {
+            return false;
+        };
+        let (Ok(get), Ok(free)) = (
+            lib.get::<GetParams>(b"fi_getparams\0"),
+            lib.get::<FreeParams>(b"fi_freeparams\0"),
+        ) else {
+            return false;
+        };
+        let (mut params, mut count) = (std::ptr::null_mut(), 0 as c_int);
+        if get(&mut params, &mut count) != 0 || params.is_null() {
+            return false;
+        }
+        let found = std::slice::from_raw_parts(params, count.max(0) as usize)
+            .iter()
+            .any(|p| sys::cstr(p.name) == name);
+        free(params);
+        found
     }
 }
 
@@ -297,7 +491,7 @@ impl Endpoint {
 
     /// This endpoint's address, for a peer's address vector.
     pub fn name(&self) -> Result<Vec<u8>> {
-        let mut buf = vec![0u8; 256];
+        let mut buf = vec![0u8; MAX_NAME];
         let mut len = buf.len();
         // SAFETY: `buf` holds `len` bytes.
         let r = unsafe { sys::mk_getname(self.ep, buf.as_mut_ptr().cast(), &mut len) };

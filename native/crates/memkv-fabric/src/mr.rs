@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
+use crate::memory::{self, Memory};
 use crate::sys::{self, Fid};
 use crate::{Fabric, Result};
 
@@ -16,6 +17,8 @@ pub struct Mr {
     pub key: u64,
     pub base: usize,
     pub len: usize,
+    /// Where the registered memory lives (host, or a CUDA device).
+    pub mem: Memory,
 }
 
 impl Mr {
@@ -26,6 +29,7 @@ impl Mr {
         key: u64,
         base: usize,
         len: usize,
+        mem: Memory,
     ) -> Mr {
         Mr {
             fab,
@@ -34,6 +38,7 @@ impl Mr {
             key,
             base,
             len,
+            mem,
         }
     }
 
@@ -80,6 +85,9 @@ impl Drop for Mr {
 /// used ones are dropped first (closed once no transfer holds them). Regions the caller
 /// registers explicitly (`pin`: e.g. a whole KV-cache pool, so that its blocks share one
 /// registration) are not counted and stay until `unpin` or an `invalidate` that overlaps them.
+/// Each new registration is of the memory `memory::locate` finds at its start (GPU memory is
+/// refused on a domain that does not register it); a buffer inside a registration is of the
+/// same memory, so hits ask nothing.
 pub struct MrCache {
     fab: Arc<Fabric>,
     max_entries: usize,
@@ -128,7 +136,10 @@ impl MrCache {
             }
         }
         drop(g);
-        let mr = Arc::new(self.fab.register(ptr, len.max(1), true)?);
+        let mr = Arc::new(
+            self.fab
+                .register_memory(ptr, len.max(1), true, memory::locate(ptr))?,
+        );
         let mut g = self.inner.lock().unwrap();
         if let Some((old, used)) = g.by_start.insert(ptr, (mr.clone(), tick)) {
             // A pinned region starting here did not cover the buffer: it stays pinned.
@@ -147,6 +158,19 @@ impl MrCache {
             g.by_start.remove(&oldest);
         }
         Ok(mr)
+    }
+
+    /// Where `[ptr, ptr + len)` lives: the memory of a live registration covering it, else
+    /// what `memory::locate` finds.
+    pub fn memory_of(&self, ptr: usize, len: usize) -> Memory {
+        let g = self.inner.lock().unwrap();
+        if let Some((_, (mr, _))) = g.by_start.range(..=ptr).next_back() {
+            if mr.covers(ptr, len) && !mr.revoked() {
+                return mr.mem;
+            }
+        }
+        drop(g);
+        memory::locate(ptr)
     }
 
     /// Revokes and forgets every registration overlapping `[ptr, ptr + len)`, at once even if a
@@ -169,12 +193,16 @@ impl MrCache {
     }
 
     /// Registers `[ptr, ptr + len)` as one region kept until `unpin(ptr)`; buffers inside it
-    /// use it instead of registrations of their own.
+    /// use it instead of registrations of their own. The region keeps the memory kind it was
+    /// registered with (host, or its CUDA device).
     ///
     /// # Safety
     /// The memory must stay mapped until `unpin` (or an overlapping `invalidate`).
     pub unsafe fn pin(&self, ptr: usize, len: usize) -> Result<()> {
-        let mr = Arc::new(self.fab.register(ptr, len.max(1), true)?);
+        let mr = Arc::new(
+            self.fab
+                .register_memory(ptr, len.max(1), true, memory::locate(ptr))?,
+        );
         let mut g = self.inner.lock().unwrap();
         if let Some((old, used)) = g.by_start.insert(ptr, (mr, PINNED)) {
             g.pinned -= usize::from(used == PINNED);

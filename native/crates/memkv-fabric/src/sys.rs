@@ -102,7 +102,12 @@ pub unsafe fn cstr(p: *const c_char) -> String {
 }
 
 extern "C" {
-    pub fn mk_getinfo(api: *const Api, prov: *const c_char, out: *mut *mut FiInfo) -> c_int;
+    pub fn mk_getinfo(
+        api: *const Api,
+        prov: *const c_char,
+        hmem: c_int,
+        out: *mut *mut FiInfo,
+    ) -> c_int;
     pub fn mk_info_next(info: *const FiInfo) -> *mut FiInfo;
     pub fn mk_info_prov(info: *const FiInfo) -> *const c_char;
     pub fn mk_info_domain(info: *const FiInfo) -> *const c_char;
@@ -111,6 +116,8 @@ extern "C" {
     pub fn mk_info_tx_size(info: *const FiInfo) -> usize;
     pub fn mk_info_max_msg(info: *const FiInfo) -> usize;
     pub fn mk_info_key_size(info: *const FiInfo) -> usize;
+    pub fn mk_info_caps(info: *const FiInfo) -> u64;
+    pub fn mk_info_addr_str(info: *const FiInfo) -> c_int;
     pub fn mk_open_domain(
         api: *const Api,
         info: *mut FiInfo,
@@ -135,6 +142,8 @@ extern "C" {
         len: usize,
         access: u64,
         requested_key: u64,
+        iface: c_int,
+        device: c_int,
         mr: *mut Fid,
         desc: *mut *mut c_void,
         key: *mut u64,
@@ -145,6 +154,9 @@ extern "C" {
     pub fn mk_access_remote_write() -> u64;
     pub fn mk_mr_virt_addr() -> u64;
     pub fn mk_mr_prov_key() -> u64;
+    pub fn mk_cap_hmem() -> u64;
+    pub fn mk_hmem_system() -> c_int;
+    pub fn mk_hmem_cuda() -> c_int;
     pub fn mk_context_size() -> usize;
     #[allow(clippy::too_many_arguments)]
     pub fn mk_rma(

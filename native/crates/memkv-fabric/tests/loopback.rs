@@ -138,3 +138,82 @@ fn the_cache_is_bounded_and_reuses_covering_registrations() {
         "held by a transfer: evicted from the cache, not closed"
     );
 }
+
+/// GPU memory on a domain that cannot register it is refused before libfabric sees the pointer
+/// (a provider taking it for host memory would copy from it on the CPU and crash); host memory
+/// registers as before, and the domain says why GPU memory is out of its reach. The tcp
+/// provider has no FI_HMEM, so asking for it falls back to its host-only domain.
+#[test]
+fn gpu_memory_is_refused_where_the_domain_cannot_register_it() {
+    use memkv_fabric::Memory;
+
+    let asked = Fabric::open_for(Some("tcp"), &["lo".to_string()], true).unwrap();
+    let why = asked.device_memory().unwrap_err();
+    assert!(why.contains("FI_HMEM") && why.contains("tcp"), "{why}");
+    let plain = fabric();
+    assert!(plain.device_memory().unwrap_err().contains("not asked"));
+
+    let buf = vec![1u8; 8192];
+    let ptr = buf.as_ptr() as usize;
+    for fab in [&asked, &plain] {
+        let e = unsafe { fab.register_memory(ptr, buf.len(), true, Memory::Cuda(0)) }
+            .err()
+            .expect("GPU memory refused");
+        let msg = e.to_string();
+        assert!(msg.contains("GPU memory (CUDA device 0)"), "{msg}");
+        assert!(msg.contains(&format!("{ptr:#x}")), "{msg}");
+        let mr = unsafe { fab.register_memory(ptr, buf.len(), true, Memory::Host) }.unwrap();
+        assert_eq!(mr.mem, Memory::Host);
+    }
+
+    // No CUDA driver in this process: every buffer is host memory, registrations say so.
+    let cache = MrCache::new(asked.clone(), 4);
+    unsafe { cache.pin(ptr, 4096) }.unwrap();
+    assert_eq!(cache.memory_of(ptr + 8, 16), Memory::Host);
+    let mr = unsafe { cache.get(ptr + 4096, 4096) }.unwrap();
+    assert_eq!(mr.mem, Memory::Host);
+    assert_eq!(memkv_fabric::memory::locate(ptr), Memory::Host);
+}
+
+/// shm lists FI_HMEM in every build, with or without CUDA: the domain registers GPU memory only
+/// where libfabric is built with CUDA and its CUDA support started (Debian's and Ubuntu's
+/// libfabric 1.17 are built without).
+#[test]
+fn fi_hmem_alone_does_not_make_a_domain_reach_cuda_memory() {
+    let fab = Fabric::open_for(Some("shm"), &[], true).expect("libfabric shm provider");
+    assert_eq!(fab.provider, "shm");
+    match fab.device_memory() {
+        Ok(how) => assert!(how.contains("(FI_HMEM, CUDA)"), "{how}"),
+        Err(why) => assert!(
+            why.contains("offers FI_HMEM but this libfabric is built without CUDA support")
+                || why.contains("offers FI_HMEM but libfabric's CUDA support did not start"),
+            "{why}"
+        ),
+    }
+}
+
+/// A peer's endpoint address is handed to the provider only when it cannot read past it: of
+/// the provider's one size (tcp), or a NUL-terminated name of any length up to 256 bytes (shm,
+/// whose names carry a process id, so a server and its clients differ in length).
+#[test]
+fn peer_addresses_are_checked_by_the_providers_format() {
+    let tcp = fabric();
+    let own = Endpoint::open(&tcp).unwrap().name().unwrap();
+    assert!(tcp.peer_address_ok(own.len(), &own).is_ok());
+    let e = tcp.peer_address_ok(own.len(), &own[1..]).unwrap_err();
+    assert!(e.contains("endpoint address; this provider's are"), "{e}");
+    let shm = Fabric::open(Some("shm"), &[]).expect("libfabric shm provider");
+    let own = Endpoint::open(&shm).unwrap().name().unwrap();
+    assert!(
+        own.contains(&0),
+        "shm names are NUL-terminated strings: {own:?}"
+    );
+    let mut longer = own[..own.len() - 1].to_vec();
+    longer.extend_from_slice(b"7\0");
+    for ok in [&own[..], &longer[..]] {
+        assert!(shm.peer_address_ok(own.len(), ok).is_ok());
+    }
+    for bad in [&own[..own.len() - 1], &[b'x'; 300][..]] {
+        assert!(shm.peer_address_ok(own.len(), bad).is_err());
+    }
+}

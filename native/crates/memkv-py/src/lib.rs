@@ -118,7 +118,7 @@ struct PyClient {
 #[pymethods]
 impl PyClient {
     #[new]
-    #[pyo3(signature = (servers, auth_key=None, connections_per_server=2, connect_timeout_s=1.0, op_timeout_s=10.0, io_threads=8, transport="tcp", rdma_devices=Vec::new()))]
+    #[pyo3(signature = (servers, auth_key=None, connections_per_server=2, connect_timeout_s=1.0, op_timeout_s=10.0, io_threads=8, transport="tcp", rdma_devices=Vec::new(), gpu_memory=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         servers: Vec<String>,
@@ -129,6 +129,7 @@ impl PyClient {
         io_threads: usize,
         transport: &str,
         rdma_devices: Vec<String>,
+        gpu_memory: bool,
     ) -> PyResult<Self> {
         let ok = |t: f64| t > 0.0 && t.is_finite();
         if !(ok(connect_timeout_s) && ok(op_timeout_s)) {
@@ -147,6 +148,7 @@ impl PyClient {
             rdma_devices,
             // The provider comes from MEMKV_RDMA_PROVIDER (else libfabric's first).
             rdma_provider: None,
+            gpu_memory,
         };
         let inner = no_panic(|| Client::new(cfg))?.map_err(PyValueError::new_err)?;
         Ok(PyClient { inner })
@@ -302,9 +304,31 @@ impl PyClient {
     fn unregister_buffer(&self, ptr: usize) -> PyResult<()> {
         no_panic(|| self.inner.unregister_memory(ptr))
     }
+
+    /// `(True, how)` when transfers may name GPU memory (transport 'rdma' on a domain that
+    /// registers it, asked for with `gpu_memory=True`), else `(False, why not)`.
+    fn gpu_memory(&self) -> PyResult<(bool, String)> {
+        Ok(match no_panic(|| self.inner.gpu_memory())? {
+            Ok(how) => (true, how),
+            Err(why) => (false, why),
+        })
+    }
+
+    /// The libfabric provider values move through (`verbs`, `shm`, `tcp`, ...); None over TCP.
+    fn rdma_provider(&self) -> Option<String> {
+        self.inner.rdma_provider().map(String::from)
+    }
 }
 
 impl PyClient {
+    /// The buffers of a transfer, checked to be memory the transport can move (ValueError for
+    /// GPU memory it cannot reach, before any byte moves).
+    fn movable(&self, keys: &[Vec<u8>], ptrs: &[usize], sizes: &[usize]) -> PyResult<Vec<Buf>> {
+        let b = bufs(keys, ptrs, sizes)?;
+        no_panic(|| self.inner.check_buffers(&b))?.map_err(PyValueError::new_err)?;
+        Ok(b)
+    }
+
     /// Blocking put or get with the GIL released.
     fn transfer<'py>(
         &self,
@@ -314,7 +338,7 @@ impl PyClient {
         sizes: Vec<usize>,
         put: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let b = bufs(&keys, &ptrs, &sizes)?;
+        let b = self.movable(&keys, &ptrs, &sizes)?;
         let c = &self.inner;
         // SAFETY: the Python caller guarantees the memory stays valid (and, for GET, writable
         // and untouched) for the duration of this blocking call.
@@ -338,7 +362,7 @@ impl PyClient {
         owner: Option<Py<PyAny>>,
         put: bool,
     ) -> PyResult<PyOp> {
-        let b = bufs(&keys, &ptrs, &sizes)?;
+        let b = self.movable(&keys, &ptrs, &sizes)?;
         Ok(PyOp {
             op: self.inner.submit(move |c| {
                 // SAFETY: `owner` (moved in here) keeps the memory alive until the transfer is
@@ -443,20 +467,31 @@ fn cli_main(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
 
 /// Direct mode's `memkv_scratch_medium: auto` for the GPU at PCI address `gpu` (`0000:1b:00.0`,
 /// or nvidia-smi's `00000000:1B:00.0`): `(True, reason)` when a NIC (narrowed to `rdma_devices`,
-/// empty = all) shares the GPU's PCIe switch and the fabric provider reaches device memory
-/// through it, else `(False, reason)`. ValueError for a malformed address or an unknown device
-/// name; a host whose sysfs cannot be read gets `(False, reason)`.
+/// empty = all) shares the GPU's PCIe switch and the transport reaches GPU memory, else
+/// `(False, reason)`. `device_memory` is the client's `gpu_memory()` answer (default: not
+/// reached). ValueError for a malformed address or an unknown device name; a host whose sysfs
+/// cannot be read gets `(False, reason)`.
 #[pyfunction]
-#[pyo3(signature = (gpu, rdma_devices=Vec::new(), sysfs="/sys"))]
+#[pyo3(signature = (gpu, rdma_devices=Vec::new(), sysfs="/sys", device_memory=(false, String::from("no transport that registers GPU memory was opened"))))]
 fn gpu_scratch_verdict(
     py: Python<'_>,
     gpu: &str,
     rdma_devices: Vec<String>,
     sysfs: &str,
+    device_memory: (bool, String),
 ) -> PyResult<(bool, String)> {
+    let reach = match device_memory {
+        (true, how) => Ok(how),
+        (false, why) => Err(why),
+    };
     let v = py.detach(|| {
         no_panic(|| {
-            memkv_cli::net::gpu_scratch_verdict(std::path::Path::new(sysfs), gpu, &rdma_devices)
+            memkv_cli::net::gpu_scratch_verdict(
+                std::path::Path::new(sysfs),
+                gpu,
+                &rdma_devices,
+                reach,
+            )
         })
     })?;
     v.map(|v| (v.gpu, v.reason)).map_err(PyValueError::new_err)
@@ -480,6 +515,16 @@ fn nic_for_gpu(
     .map_err(PyValueError::new_err)
 }
 
+/// Where the byte at address `ptr` lives: `("host", None)` or `("cuda", device ordinal)`, as the
+/// CUDA driver this process loaded says (no driver loaded: host).
+#[pyfunction]
+fn memory_kind(ptr: usize) -> PyResult<(&'static str, Option<i32>)> {
+    Ok(match no_panic(|| memkv_client::memory::locate(ptr))? {
+        memkv_client::Memory::Host => ("host", None),
+        memkv_client::Memory::Cuda(d) => ("cuda", Some(d)),
+    })
+}
+
 /// (name, number) of every client outcome, so the Python enum can be checked against them.
 #[pyfunction]
 fn statuses() -> Vec<(&'static str, u8)> {
@@ -500,6 +545,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(statuses, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_scratch_verdict, m)?)?;
     m.add_function(wrap_pyfunction!(nic_for_gpu, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_kind, m)?)?;
     m.add("MAX_KEY_LEN", memkv_proto::MAX_KEY_LEN)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

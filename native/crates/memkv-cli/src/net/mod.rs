@@ -66,9 +66,13 @@ pub fn device_list(s: &str) -> Vec<String> {
         .collect()
 }
 
-/// Whether the RDMA transport can reach GPU memory through `nic` (Ok: how; Err: why not).
-fn device_memory(_nic: &Nic) -> Result<String, String> {
-    Err("memkv's RDMA transport registers host memory only (no FI_HMEM device memory)".into())
+/// Whether the RDMA transport can reach GPU memory through `nic` (Ok: how; Err: why not), for
+/// `memkv net topo`: asks libfabric for a domain of that name that registers GPU memory, as a
+/// client started with `gpu_memory` does.
+fn device_memory(nic: &Nic) -> Result<String, String> {
+    let fab = memkv_fabric::Fabric::open_for(None, std::slice::from_ref(&nic.name), true)
+        .map_err(|e| format!("libfabric opens no domain {} ({e})", nic.name))?;
+    fab.device_memory().map(String::from).map_err(String::from)
 }
 
 /// The NIC (name, and how near: "same PCIe switch", ...) the rank of the GPU at PCI address
@@ -90,12 +94,14 @@ pub fn nic_for_gpu(
 }
 
 /// The answer to direct mode's `memkv_scratch_medium: auto` for the GPU at PCI address `gpu`,
-/// with the NICs narrowed to `rdma_devices` (empty = all). A malformed address or an unknown
-/// device name is an error; a host whose sysfs cannot be read gets a "no" with the reason.
+/// with the NICs narrowed to `rdma_devices` (empty = all), given whether the client's transport
+/// registers GPU memory (`reach`: Ok how, Err why not). A malformed address or an unknown device
+/// name is an error; a host whose sysfs cannot be read gets a "no" with the reason.
 pub fn gpu_scratch_verdict(
     sysfs: &Path,
     gpu: &str,
     rdma_devices: &[String],
+    reach: Result<String, String>,
 ) -> Result<ScratchVerdict, String> {
     let addr: PciAddr = gpu.parse()?;
     let topo = match Topology::read(sysfs) {
@@ -108,5 +114,5 @@ pub fn gpu_scratch_verdict(
         }
     };
     let topo = topo.narrow(rdma_devices).map_err(|e| e.to_string())?;
-    Ok(memkv_topo::gpu_scratch(&topo, addr, device_memory))
+    Ok(memkv_topo::gpu_scratch(&topo, addr, |_| reach))
 }

@@ -42,16 +42,11 @@ impl<T: Transport> Conn<'_, T> {
             Some(sf) => Endpoint::open(&sf.fab)
                 .map_err(|e| format!("cannot open an endpoint: {e}"))
                 .and_then(|mut ep| {
-                    // The provider reads an address of its own format's length from what we
-                    // hand it: one of any other length is refused, never handed over.
+                    // The provider reads an address of its own format from what we hand it
+                    // (a fixed length, or up to a NUL for shm's names): one it would read
+                    // past is refused, never handed over.
                     let own = ep.name().map_err(|e| e.to_string())?;
-                    if own.len() != addr.len() {
-                        return Err(format!(
-                            "a {}-byte endpoint address; this provider's are {} bytes",
-                            addr.len(),
-                            own.len()
-                        ));
-                    }
+                    sf.fab.peer_address_ok(own.len(), addr)?;
                     let peer = ep
                         .insert_peer(addr)
                         .map_err(|e| format!("cannot reach the client's endpoint: {e}"))?;
