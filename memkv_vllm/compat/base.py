@@ -357,13 +357,13 @@ class VllmAdapter(ABC):
         return TieringOffloadingSpec
 
     def offloading_worker_class(self, core: type) -> type:
-        """An OffloadingWorker subclass running `core`'s synchronous copies.
+        """An OffloadingWorker subclass whose submit_store / submit_load hand the job to `core`.
 
-        `core` implements `copy(to_pool, job_id, src_spec, dst_spec) -> bool`, `get_finished()`,
-        `wait(job_ids)` and `shutdown()`. vLLM 0.33 adds `submit_load(..., expedited=False)`
-        (a load to finish before the next forward pass); the copies here finish inside
-        `submit_*`, which satisfies it on every generation, so the argument is accepted and
-        needs no action.
+        `core` implements `copy(to_pool, job_id, src_spec, dst_spec) -> bool` (queue the job,
+        never wait for it), `get_finished()`, `wait(job_ids)` and `shutdown()`. vLLM 0.33 adds
+        `submit_load(..., expedited=False)`: an expedited load is one vLLM `wait()`s for before
+        the forward pass of the same step, which `core.wait` serves like any other job, so the
+        argument is accepted on every generation and needs no action.
         """
         from vllm.v1.kv_offload.base import OffloadingWorker
 
@@ -374,7 +374,7 @@ class VllmAdapter(ABC):
                         expedited: bool = False) -> bool:
             return bool(self.copy(False, job_id, src_spec, dst_spec))
 
-        return type("MemKVSyncCopyWorker", (core, OffloadingWorker),
+        return type(f"MemKV{core.__name__}", (core, OffloadingWorker),
                     {"submit_store": submit_store, "submit_load": submit_load})
 
     @abstractmethod
