@@ -24,15 +24,17 @@ The guard works with any spec's worker: a worker that reports a failed load job 
 `success=False` has all of that job's blocks recomputed; a worker that also says which blocks
 failed (`take_failed_block_ids()`, as memkv's does) has only those recomputed.
 
-This module does not import vLLM (compat/ builds the class on first use).
+This module does not import vLLM and names none of its attributes: compat/ builds the class on
+first use, wiring vLLM's connector hooks to `RecomputeRoute`'s methods, and reads vLLM's objects.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from memkv_vllm.compat import api
 
 logger = logging.getLogger("vllm.memkv.connector")
 
@@ -44,11 +46,13 @@ class LoadFailureGuard:
 
     Called only by vLLM's connector worker, on the worker's thread. Every call is forwarded to the
     wrapped worker; `get_finished()` rewrites results and `take_load_errors()` hands out the block
-    ids of failed loads (each id once).
+    ids of failed loads (each id once). vLLM's specs and results are read through `adapter`
+    (compat's `VllmAdapter`: `gpu_job`, `transfer_outcome`, `transfer_succeeded_empty`).
     """
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, adapter: Any) -> None:
         self._inner = inner
+        self._api = adapter
         # Where the worker itself names failed blocks (memkv's worker does), only those are
         # recomputed; otherwise a failed load job loses all its blocks.
         self._take_failed: Callable[[], Iterable[int]] | None = getattr(
@@ -66,35 +70,36 @@ class LoadFailureGuard:
 
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, **kwargs: Any) -> bool:
         # kwargs: vLLM 0.33's `expedited`, passed on only when vLLM passes it.
-        self._loads[job_id] = frozenset(int(b) for b in dst_spec.block_ids)
+        self._loads[job_id] = frozenset(self._api.gpu_job(dst_spec)[0])
         return bool(self._inner.submit_load(job_id, src_spec, dst_spec, **kwargs))
 
     def get_finished(self) -> list[Any]:
+        a = self._api
         results = list(self._inner.get_finished())
         named = set(self._take_failed()) if self._take_failed is not None else set()
         out = []
         for result in results:
-            blocks = self._loads.pop(result.job_id, None)
+            job_id, success = a.transfer_outcome(result)
+            blocks = self._loads.pop(job_id, None)
             if blocks is None:  # a store
-                if not result.success:
+                if not success:
                     # vLLM would assert; the spec's lookups never claim a value it did not commit.
                     self.failed_stores += 1
-                    logger.warning("memkv: store job %d failed; its blocks stay uncached",
-                                   result.job_id)
-                    result = _succeeded(result)
+                    logger.warning("memkv: store job %d failed; its blocks stay uncached", job_id)
+                    result = a.transfer_succeeded_empty(result)
                 out.append(result)
                 continue
             failed = blocks & (named | self._early)
             self._early -= blocks
-            if not result.success:
+            if not success:
                 failed = failed or blocks
-                result = _succeeded(result)
+                result = a.transfer_succeeded_empty(result)
             if failed:
                 self.failed_loads += 1
                 self._errors |= failed
                 logger.warning("memkv: load job %d failed for %d of its %d blocks; vLLM's "
-                               "kv_load_failure_policy applies to them", result.job_id,
-                               len(failed), len(blocks))
+                               "kv_load_failure_policy applies to them", job_id, len(failed),
+                               len(blocks))
             out.append(result)
         if named:
             in_flight = set().union(*self._loads.values()) if self._loads else set()
@@ -115,23 +120,14 @@ class LoadFailureGuard:
         self._inner.shutdown()
 
 
-def _succeeded(result: Any) -> Any:
-    """`result` (a vLLM TransferResult dataclass) as a success that moved nothing: vLLM's
-    transfer metrics skip a result without size and time."""
-    return dataclasses.replace(result, success=True, transfer_size=None, transfer_time=None)
-
-
 class RecomputeRoute:
     """The part of MemKVOffloadingConnector that is not vLLM's OffloadingConnector (a mixin in
-    front of it: see `connector_class`)."""
+    front of it; compat's `recompute_connector_class` calls these methods from vLLM's hooks)."""
 
-    connector_worker: Any
     _guard: LoadFailureGuard | None = None
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any, *args: Any,
                  **kwargs: Any) -> None:
-        from memkv_vllm.compat import api
-
         adapter = api()
         missing = adapter.load_error_hook_missing()
         if missing:
@@ -145,7 +141,7 @@ class RecomputeRoute:
                                "vLLM recomputes failed loads by block id only for models with "
                                "one group. Use vLLM's OffloadingConnector instead")
         super().__init__(vllm_config, role, kv_cache_config, *args, **kwargs)  # type: ignore[call-arg]
-        if self.connector_worker is None:
+        if adapter.offloading_manager(self) is not None:  # the scheduler's side
             policy = adapter.load_failure_policy(vllm_config)
             what = {"recompute": "recomputes their tokens",
                     "fail": "finishes their requests with an error"}.get(policy, policy)
@@ -153,40 +149,31 @@ class RecomputeRoute:
                         "kv_load_failure_policy=%r %s; the engine keeps running",
                         CONNECTOR_NAME, policy, what)
 
-    def _install_guard(self) -> None:
-        worker = self.connector_worker
-        if worker is not None and worker.worker is not None and self._guard is None:
-            if hasattr(worker.worker, "recompute_failed_loads"):
-                # memkv's worker: report failed loads as successes and name their blocks (with
-                # vLLM's plain connector it must report them failed, which stops the engine).
-                worker.worker.recompute_failed_loads = True
-            self._guard = LoadFailureGuard(worker.worker)
-            worker.worker = self._guard
+    def kv_caches_registered(self) -> None:
+        """Worker side, once vLLM made the spec's worker: put the guard in front of it."""
+        adapter = api()
+        inner = adapter.offloading_worker(self)
+        if inner is None or self._guard is not None:
+            return
+        if hasattr(inner, "recompute_failed_loads"):
+            # memkv's worker: report failed loads as successes and name their blocks (with
+            # vLLM's plain connector it must report them failed, which stops the engine).
+            inner.recompute_failed_loads = True
+        self._guard = LoadFailureGuard(inner, adapter)
+        adapter.replace_offloading_worker(self, self._guard)
 
-    def register_kv_caches(self, *args: Any, **kwargs: Any) -> None:
-        super().register_kv_caches(*args, **kwargs)  # type: ignore[misc]
-        self._install_guard()
-
-    def register_cross_layers_kv_cache(self, *args: Any, **kwargs: Any) -> None:
-        # vLLM 0.25-0.28 register one cross-layer tensor instead when the model allows it.
-        super().register_cross_layers_kv_cache(*args, **kwargs)  # type: ignore[misc]
-        self._install_guard()
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
+    def load_error_block_ids(self) -> set[int]:
+        """Worker side: the blocks of failed loads since the last call, for vLLM's scheduler."""
         return self._guard.take_load_errors() if self._guard is not None else set()
 
-    def update_connector_output(self, connector_output: Any) -> None:
-        # Scheduler side. The workers' load errors arrive in the same output as the completion of
-        # their jobs. Before those complete, tell the spec's manager (memkv's answers lookups from
-        # a verdict cache), so the recomputed request's next lookup does not find the same
-        # blocks again and load them again, and again, for as long as the cache holds a HIT.
-        if getattr(connector_output, "invalid_block_ids", None):
-            from memkv_vllm.compat import api
-
-            hook = getattr(api().offloading_manager(self), "on_load_errors", None)
-            if hook is not None:
-                hook()
-        super().update_connector_output(connector_output)  # type: ignore[misc]
+    def load_errors_reported(self) -> None:
+        """Scheduler side: the workers' load errors arrived, in the same output as the completion
+        of their jobs. Before those complete, tell the spec's manager (memkv's answers lookups
+        from a verdict cache), so the recomputed request's next lookup does not find the same
+        blocks again and load them again, and again, for as long as the cache holds a HIT."""
+        hook = getattr(api().offloading_manager(self), "on_load_errors", None)
+        if hook is not None:
+            hook()
 
 
 _class: type | None = None
@@ -197,10 +184,7 @@ def connector_class() -> type:
     OffloadingConnector (built once per process)."""
     global _class
     if _class is None:
-        from memkv_vllm.compat import api
-
-        _class = type(CONNECTOR_NAME, (RecomputeRoute, api().offloading_connector_class()),
-                      {"__module__": __name__})
+        _class = api().recompute_connector_class(RecomputeRoute, CONNECTOR_NAME, __name__)
     return _class
 
 

@@ -1,6 +1,8 @@
 """LoadFailureGuard, the worker half of the recompute connector, without vLLM: a stand-in
-offloading worker (the real one runs in tests/e2e/test_direct_faults.py) and vLLM's
-TransferResult shape (a dataclass with these four fields in 0.25-0.33)."""
+offloading worker (the real one runs in tests/e2e/test_direct_faults.py), vLLM's TransferResult
+shape (a dataclass with these four fields in 0.25-0.33) and a stand-in for the three adapter
+methods the guard reads vLLM's objects with (tests/direct/test_connector_vllm.py runs the guard
+with the real adapter)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,17 @@ class TransferResult:
 @dataclasses.dataclass
 class Spec:
     block_ids: list[int]
+
+
+class Adapter:
+    def gpu_job(self, spec: Spec) -> tuple[list[int], list[int], list[int]]:
+        return list(spec.block_ids), [len(spec.block_ids)], [0]
+
+    def transfer_outcome(self, result: TransferResult) -> tuple[int, bool]:
+        return result.job_id, result.success
+
+    def transfer_succeeded_empty(self, result: TransferResult) -> TransferResult:
+        return dataclasses.replace(result, success=True, transfer_size=None, transfer_time=None)
 
 
 class Worker:
@@ -58,7 +71,7 @@ class Worker:
 
 def test_a_failed_load_job_is_answered_as_success_and_all_its_blocks_are_load_errors() -> None:
     inner = Worker(names_blocks=False)
-    guard = LoadFailureGuard(inner)
+    guard = LoadFailureGuard(inner, Adapter())
     assert guard.submit_load(1, None, Spec([4, 5, 6]))
     assert guard.submit_load(2, None, Spec([7]))
     inner.finished = [TransferResult(1, False, 100, 0.1), TransferResult(2, True, 10, 0.01)]
@@ -70,7 +83,7 @@ def test_a_failed_load_job_is_answered_as_success_and_all_its_blocks_are_load_er
 
 def test_named_blocks_narrow_the_errors_and_wait_for_their_job() -> None:
     inner = Worker(names_blocks=True)
-    guard = LoadFailureGuard(inner)
+    guard = LoadFailureGuard(inner, Adapter())
     guard.submit_load(1, None, Spec([4, 5, 6]))
     guard.submit_load(2, None, Spec([8, 9]))
     # Job 2's block 9 failed, but job 2 is still in flight: reported only with its job.
@@ -85,7 +98,7 @@ def test_named_blocks_narrow_the_errors_and_wait_for_their_job() -> None:
 
 def test_a_failed_store_is_answered_as_success_and_names_no_blocks() -> None:
     inner = Worker(names_blocks=True)
-    guard = LoadFailureGuard(inner)
+    guard = LoadFailureGuard(inner, Adapter())
     assert guard.submit_store(3, Spec([1]), None)
     inner.finished = [TransferResult(3, False, 5, 0.1)]
     assert guard.get_finished() == [TransferResult(3, True)]
@@ -95,7 +108,7 @@ def test_a_failed_store_is_answered_as_success_and_names_no_blocks() -> None:
 
 def test_calls_reach_the_wrapped_worker() -> None:
     inner = Worker(names_blocks=False)
-    guard = LoadFailureGuard(inner)
+    guard = LoadFailureGuard(inner, Adapter())
     guard.submit_load(1, None, Spec([1]), expedited=True)
     guard.submit_load(2, None, Spec([2]))
     guard.wait({1})

@@ -60,3 +60,50 @@ def test_the_contract_and_store_import_without_vllm_or_torch() -> None:
             "import memkv_vllm; memkv_vllm.register(); print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
+
+
+# Attribute names of vLLM's objects that compat/ reads for everything else: those vLLM renamed
+# between generations (block_size_factor, chunk_ids, ...) and those of its connector's and
+# worker's internals. A cheap name check: it catches these names, not every vLLM attribute
+# (generic ones such as job_id, keys or block_ids are also memkv_vllm's own).
+VLLM_ATTRIBUTES = {
+    "invalid_block_ids", "connector_worker", "connector_scheduler", "block_size_factor",
+    "chunk_ids", "group_data_refs", "page_size_bytes", "tensor_idx", "group_sizes",
+    "block_indices", "kv_cache_groups", "kv_transfer_config", "kv_load_failure_policy",
+    "transfer_size", "transfer_time", "successful_keys", "is_promotion", "preempted_req_ids",
+    "kv_events_config", "replicated_layout", "canonical_layout",
+}
+
+
+def _vllm_attributes(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of every use of a VLLM_ATTRIBUTES name: `x.name`, or a getattr / setattr /
+    hasattr with the name as a string."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in VLLM_ATTRIBUTES:
+            found.append((node.lineno, node.attr))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in VLLM_ATTRIBUTES):
+            found.append((node.lineno, node.args[1].value))
+    return sorted(found)
+
+
+def test_the_attribute_scan_sees_reads_writes_and_getattr() -> None:
+    code = ("a = out.invalid_block_ids\nconn.connector_worker.worker = g\n"
+            "getattr(o, 'invalid_block_ids', None)\nhasattr(c, 'chunk_ids')\nx.job_id\n")
+    assert _vllm_attributes(ast.parse(code)) == [
+        (1, "invalid_block_ids"), (2, "connector_worker"), (3, "invalid_block_ids"),
+        (4, "chunk_ids")]
+
+
+def test_no_module_outside_compat_reads_vllms_renamed_or_internal_attributes() -> None:
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] == "compat":
+            continue
+        found = _vllm_attributes(ast.parse(path.read_text(), str(path)))
+        if found:
+            offenders[str(rel)] = found
+    assert offenders == {}

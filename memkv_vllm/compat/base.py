@@ -330,10 +330,75 @@ class VllmAdapter(ABC):
             missing.append("no KVTransferConfig.kv_load_failure_policy")
         return "; ".join(missing)
 
+    def recompute_connector_class(self, route: type, name: str, module: str) -> type:
+        """Class `name` (of `module`): `route` in front of vLLM's OffloadingConnector, with the
+        connector hooks vLLM calls forwarded to the route's version-free methods:
+
+        * `register_kv_caches`, and `register_cross_layers_kv_cache` where vLLM has it (0.25 to
+          0.28: one cross-layer tensor instead, when the model allows it): vLLM's, then
+          `route.kv_caches_registered()`;
+        * `get_block_ids_with_load_errors()`: `route.load_error_block_ids()`;
+        * `update_connector_output(output)`: `route.load_errors_reported()` first when the
+          output carries failed loads' blocks (`invalid_block_ids`), then vLLM's.
+
+        All of them exist from 0.25 on. RuntimeError if this vLLM's connector lacks one, so that
+        a renamed hook fails at start-up instead of being silently never called.
+        """
+        base = self.offloading_connector_class()
+        hooks = ("register_kv_caches", "get_block_ids_with_load_errors",
+                 "update_connector_output")
+        missing = [h for h in hooks if not callable(getattr(base, h, None))]
+        if missing:
+            raise RuntimeError(f"vLLM's OffloadingConnector has no {', '.join(missing)}; "
+                               f"{name} cannot report failed loads to vLLM")
+
+        def register_kv_caches(self: Any, *args: Any, **kwargs: Any) -> None:
+            base.register_kv_caches(self, *args, **kwargs)
+            self.kv_caches_registered()
+
+        def register_cross_layers_kv_cache(self: Any, *args: Any, **kwargs: Any) -> None:
+            base.register_cross_layers_kv_cache(self, *args, **kwargs)
+            self.kv_caches_registered()
+
+        def get_block_ids_with_load_errors(self: Any) -> set[int]:
+            return set(self.load_error_block_ids())
+
+        def update_connector_output(self: Any, connector_output: Any) -> None:
+            if getattr(connector_output, "invalid_block_ids", None):
+                self.load_errors_reported()
+            base.update_connector_output(self, connector_output)
+
+        namespace: dict[str, Any] = {
+            "__module__": module, "register_kv_caches": register_kv_caches,
+            "get_block_ids_with_load_errors": get_block_ids_with_load_errors,
+            "update_connector_output": update_connector_output}
+        if callable(getattr(base, "register_cross_layers_kv_cache", None)):
+            namespace["register_cross_layers_kv_cache"] = register_cross_layers_kv_cache
+        return type(name, (route, base), namespace)
+
     def offloading_manager(self, connector: Any) -> Any:
         """The OffloadingManager of an OffloadingConnector's scheduler side (None elsewhere)."""
         scheduler = getattr(connector, "connector_scheduler", None)
         return None if scheduler is None else scheduler.manager
+
+    def offloading_worker(self, connector: Any) -> Any:
+        """The OffloadingWorker that an OffloadingConnector's worker side drives: None in the
+        scheduler process, and in a worker before its KV caches are registered."""
+        side = getattr(connector, "connector_worker", None)
+        return None if side is None else side.worker
+
+    def replace_offloading_worker(self, connector: Any, worker: Any) -> None:
+        """Make an OffloadingConnector's worker side drive `worker` from now on."""
+        connector.connector_worker.worker = worker
+
+    def transfer_outcome(self, result: Any) -> tuple[int, bool]:
+        """(job id, success) of a worker TransferResult."""
+        return int(result.job_id), bool(result.success)
+
+    def transfer_succeeded_empty(self, result: Any) -> Any:
+        """`result` as a success that moved nothing (vLLM's transfer metrics skip a result
+        without size and time)."""
+        return dataclasses.replace(result, success=True, transfer_size=None, transfer_time=None)
 
     def load_failure_policy(self, vllm_config: Any) -> str:
         """The engine's kv_load_failure_policy ("recompute" or "fail", vLLM's default)."""
@@ -357,13 +422,13 @@ class VllmAdapter(ABC):
         return TieringOffloadingSpec
 
     def offloading_worker_class(self, core: type) -> type:
-        """An OffloadingWorker subclass running `core`'s synchronous copies.
+        """An OffloadingWorker subclass whose submit_store / submit_load hand the job to `core`.
 
-        `core` implements `copy(to_pool, job_id, src_spec, dst_spec) -> bool`, `get_finished()`,
-        `wait(job_ids)` and `shutdown()`. vLLM 0.33 adds `submit_load(..., expedited=False)`
-        (a load to finish before the next forward pass); the copies here finish inside
-        `submit_*`, which satisfies it on every generation, so the argument is accepted and
-        needs no action.
+        `core` implements `copy(to_pool, job_id, src_spec, dst_spec) -> bool` (queue the job,
+        never wait for it), `get_finished()`, `wait(job_ids)` and `shutdown()`. vLLM 0.33 adds
+        `submit_load(..., expedited=False)`: an expedited load is one vLLM `wait()`s for before
+        the forward pass of the same step, which `core.wait` serves like any other job, so the
+        argument is accepted on every generation and needs no action.
         """
         from vllm.v1.kv_offload.base import OffloadingWorker
 
@@ -374,7 +439,7 @@ class VllmAdapter(ABC):
                         expedited: bool = False) -> bool:
             return bool(self.copy(False, job_id, src_spec, dst_spec))
 
-        return type("MemKVSyncCopyWorker", (core, OffloadingWorker),
+        return type(f"MemKV{core.__name__}", (core, OffloadingWorker),
                     {"submit_store": submit_store, "submit_load": submit_load})
 
     @abstractmethod
