@@ -104,8 +104,9 @@ pub struct RdmaArgs {
     /// libfabric provider: verbs, efa, tcp, ... [default: the first libfabric offers].
     #[arg(long, env = "MEMKV_RDMA_PROVIDER", hide_env_values = true)]
     pub rdma_provider: Option<String>,
-    /// libfabric domains to use, comma-separated (NICs such as mlx5_0; for the tcp provider,
-    /// interfaces such as lo) [default: the first the provider offers].
+    /// libfabric domains to use, comma-separated (NICs such as mlx5_0, efa's rdmap0s31 or its
+    /// domain rdmap0s31-rdm; for the tcp provider, interfaces such as lo) [default: the first
+    /// the provider offers].
     #[arg(
         long,
         env = "MEMKV_RDMA_DEVICES",

@@ -40,7 +40,12 @@ struct mk_api {
 /* Memory-registration modes memkv handles (see the Rust side for what each changes). */
 #define MK_MR_MODES (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY)
 
-int mk_getinfo(const struct mk_api *api, const char *prov_name, struct fi_info **out)
+/* `op_flags` and `msg_order` are the transmit attributes asked for: the completion semantics
+ * of the server's writes (FI_DELIVERY_COMPLETE, or read-after-write ordering for the fallback
+ * fence; see write_completion in lib.rs). They stay in the returned entries, so an endpoint
+ * opened on one of them gets them as its defaults. */
+int mk_getinfo(const struct mk_api *api, const char *prov_name, uint64_t op_flags,
+	       uint64_t msg_order, struct fi_info **out)
 {
 	struct fi_info *hints = api->dupinfo(NULL);
 	int ret;
@@ -52,11 +57,8 @@ int mk_getinfo(const struct mk_api *api, const char *prov_name, struct fi_info *
 	hints->ep_attr->type = FI_EP_RDM;
 	hints->domain_attr->mr_mode = MK_MR_MODES;
 	hints->domain_attr->threading = FI_THREAD_SAFE;
-	/* A write completes only once the bytes are in the target's memory, not when they left
-	 * ours: the server replies to a GET after its writes complete, on another connection, so
-	 * the client must never see that reply before the bytes. Reads complete with the bytes
-	 * here anyway. */
-	hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+	hints->tx_attr->op_flags = op_flags;
+	hints->tx_attr->msg_order = msg_order;
 	if (prov_name) {
 		hints->fabric_attr->prov_name = strdup(prov_name);
 		if (!hints->fabric_attr->prov_name) {
@@ -197,6 +199,8 @@ uint64_t mk_access_remote_write(void) { return FI_REMOTE_WRITE; }
 uint64_t mk_mr_virt_addr(void) { return FI_MR_VIRT_ADDR; }
 uint64_t mk_mr_prov_key(void) { return FI_MR_PROV_KEY; }
 uint64_t mk_mr_local(void) { return FI_MR_LOCAL; }
+uint64_t mk_op_delivery_complete(void) { return FI_DELIVERY_COMPLETE; }
+uint64_t mk_order_raw(void) { return FI_ORDER_RAW; }
 size_t mk_context_size(void) { return sizeof(struct fi_context2); }
 
 /* One RDMA write (local to remote) or read (remote into local). */

@@ -46,21 +46,43 @@ pub struct Lib {
 /// The library file: the ABI-1 soname every distribution ships.
 pub const LIBFABRIC: &str = "libfabric.so.1";
 
+/// The variable naming the libfabric to load instead of the dynamic linker's `libfabric.so.1`:
+/// AWS EFA hosts carry their own build under /opt/amazon/efa/lib64 beside the distribution's.
+pub const LIBFABRIC_VAR: &str = "MEMKV_LIBFABRIC";
+
+/// Which libfabric to load: `MEMKV_LIBFABRIC` when set and not empty (a path, or a name the
+/// dynamic linker resolves), else the soname.
+fn library_name(var: Option<std::ffi::OsString>) -> std::ffi::OsString {
+    var.filter(|v| !v.is_empty())
+        .unwrap_or_else(|| LIBFABRIC.into())
+}
+
 impl Lib {
     /// libfabric, loaded once per process at the first call; the error (library missing, or
     /// without a function we need) is returned to every caller.
     pub fn get() -> Result<&'static Lib, String> {
         static LIB: OnceLock<Result<Lib, String>> = OnceLock::new();
-        LIB.get_or_init(Lib::load).as_ref().map_err(Clone::clone)
+        LIB.get_or_init(|| Lib::load(&library_name(std::env::var_os(LIBFABRIC_VAR))))
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
-    fn load() -> Result<Lib, String> {
+    fn load(name: &std::ffi::OsStr) -> Result<Lib, String> {
+        let shown = name.to_string_lossy();
         // SAFETY: loading libfabric runs its constructors, which only initialise the library.
-        let lib = unsafe { libloading::Library::new(LIBFABRIC) }
-            .map_err(|e| format!("cannot load {LIBFABRIC} (install libfabric1): {e}"))?;
+        let lib = unsafe { libloading::Library::new(name) }.map_err(|e| {
+            if shown == LIBFABRIC {
+                format!(
+                    "cannot load {LIBFABRIC} (install libfabric1, or set {LIBFABRIC_VAR} to \
+                     the library's path): {e}"
+                )
+            } else {
+                format!("cannot load libfabric from {LIBFABRIC_VAR}={shown}: {e}")
+            }
+        })?;
         // SAFETY: each symbol is looked up with the C signature the libfabric 1.x ABI gives it.
         unsafe {
-            let sym = |name: &str| format!("{LIBFABRIC} has no {name}");
+            let sym = |sym: &str| format!("{shown} is not libfabric 1.x: it has no {sym}");
             let version: libloading::Symbol<unsafe extern "C" fn() -> u32> =
                 lib.get(b"fi_version\0").map_err(|_| sym("fi_version"))?;
             let api = Api {
@@ -102,7 +124,13 @@ pub unsafe fn cstr(p: *const c_char) -> String {
 }
 
 extern "C" {
-    pub fn mk_getinfo(api: *const Api, prov: *const c_char, out: *mut *mut FiInfo) -> c_int;
+    pub fn mk_getinfo(
+        api: *const Api,
+        prov: *const c_char,
+        op_flags: u64,
+        msg_order: u64,
+        out: *mut *mut FiInfo,
+    ) -> c_int;
     pub fn mk_info_next(info: *const FiInfo) -> *mut FiInfo;
     pub fn mk_info_prov(info: *const FiInfo) -> *const c_char;
     pub fn mk_info_domain(info: *const FiInfo) -> *const c_char;
@@ -145,6 +173,8 @@ extern "C" {
     pub fn mk_access_remote_write() -> u64;
     pub fn mk_mr_virt_addr() -> u64;
     pub fn mk_mr_prov_key() -> u64;
+    pub fn mk_op_delivery_complete() -> u64;
+    pub fn mk_order_raw() -> u64;
     pub fn mk_context_size() -> usize;
     #[allow(clippy::too_many_arguments)]
     pub fn mk_rma(
@@ -169,4 +199,35 @@ extern "C" {
     pub fn mk_trywait(fabric: Fid, cq: Fid) -> c_int;
     pub fn mk_eagain() -> c_int;
     pub fn mk_eavail() -> c_int;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_variable_names_the_library_and_empty_means_the_soname() {
+        assert_eq!(library_name(None), LIBFABRIC);
+        assert_eq!(library_name(Some("".into())), LIBFABRIC);
+        assert_eq!(
+            library_name(Some("/opt/amazon/efa/lib64/libfabric.so.1".into())),
+            "/opt/amazon/efa/lib64/libfabric.so.1"
+        );
+    }
+
+    #[test]
+    fn a_library_that_is_missing_or_not_libfabric_is_a_clear_error() {
+        let e = Lib::load("/nonexistent/libfabric.so.1".as_ref())
+            .err()
+            .unwrap();
+        assert!(
+            e.starts_with(
+                "cannot load libfabric from MEMKV_LIBFABRIC=/nonexistent/libfabric.so.1: "
+            ),
+            "{e}"
+        );
+        // The C library loads but is no libfabric.
+        let e = Lib::load("libc.so.6".as_ref()).err().unwrap();
+        assert_eq!(e, "libc.so.6 is not libfabric 1.x: it has no fi_version");
+    }
 }

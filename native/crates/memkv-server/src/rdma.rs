@@ -50,6 +50,7 @@ impl ServerFabric {
             .collect::<Result<Vec<_>, _>>()
             .map_err(fail)?;
         tracing::info!(provider = %fab.provider, domain = %fab.domain_name,
+            completion = fab.write_completion.describe(),
             "RDMA data path on (one-sided reads and writes of client memory)");
         Ok(ServerFabric {
             fab,
