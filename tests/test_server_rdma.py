@@ -294,3 +294,30 @@ def test_cli_bench_over_rdma_prints_its_figures_beside_tcps():
         put, get = map(float, cells[2].split())
         rdma_put, rdma_get = map(float, cells[-1].split())
         assert min(put, get, rdma_put, rdma_get) > 0, r
+
+
+def test_rdma_endpoints_are_bounded_and_given_back(memkv_server_factory, endpoints):
+    """Each RDMA connection costs the provider's own buffers outside --memory (about 85 MiB
+    over tcp;ofi_rxm), so their number is bounded: RDMA_HELLO past it is refused with the
+    reason, a closed connection gives its endpoint back, and `auto` clients fall back to TCP."""
+    srv = memkv_server_factory(memory="16M", lanes=1,
+                               extra=RDMA_ARGS + ["--max-rdma-connections", "2"])
+    ep = endpoints(4096)
+    first, _second = Peer(srv, ep), Peer(srv, ep)
+    s = connect(srv)
+    hello(s)
+    third = Peer.__new__(Peer)
+    third.ep, third.s = ep, s
+    assert third.rdma_hello(ep.provider().encode(), ep.address()) == (
+        False, "the server's RDMA connections are at their bound (2, --max-rdma-connections)")
+    auto = MemKVClient(MemKVConfig(servers=(srv.address,), transport="auto",
+                                   rdma_devices=("lo",), connections_per_server=1))
+    d = bytearray(3)
+    assert auto.put([b"a"], [b"abc"]) == [Status.OK]
+    assert auto.get_into([b"a"], [d]) == [Status.OK] and d == b"abc"
+    first.s.close()
+    deadline = time.monotonic() + 10
+    while not third.rdma_hello(ep.provider().encode(), ep.address())[0]:
+        assert time.monotonic() < deadline, "a closed connection kept its endpoint"
+        time.sleep(0.05)
+    assert srv.stats()["errors"]["rdma_refused"] >= 2

@@ -91,6 +91,7 @@ pub(super) fn run(a: SelftestArgs) -> Result<i32, String> {
                     round_trip(Some(RdmaConfig {
                         provider: Some(o.asked.into()),
                         domains,
+                        ..RdmaConfig::default()
                     }))
                     .map(|t| format!("{} ({}): {t}", o.asked, o.provider)),
                 )
