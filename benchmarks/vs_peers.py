@@ -186,6 +186,10 @@ class MemKV(Store):
         self.server.kill()
 
 
+SHM = Path("/dev/shm")
+LOCAL_BUFFER = 16 << 20  # Mooncake client's local buffer (bytes)
+
+
 class Mooncake(Store):
     name = "mooncake"
 
@@ -212,7 +216,11 @@ class Mooncake(Store):
             f"--master_server_address={self.master}", "--protocol=tcp"], env)
         wait_port(storage_port, storage, "mooncake_client (storage)")
         self.store = MooncakeDistributedStore()
-        rc = self.store.setup("127.0.0.1", self.metadata, 0, 16 << 20, "tcp", "", self.master)
+        shm_before = set(os.listdir(SHM))
+        rc = self.store.setup("127.0.0.1", self.metadata, 0, LOCAL_BUFFER, "tcp", "", self.master)
+        # The client maps its local buffer from a /dev/shm file that close() leaves behind.
+        self.shm = [SHM / n for n in set(os.listdir(SHM)) - shm_before
+                    if (SHM / n).stat().st_size == LOCAL_BUFFER]
         if rc != 0:
             raise RuntimeError(f"Mooncake setup failed ({rc})")
         self.registered: list[int] = []
@@ -249,6 +257,8 @@ class Mooncake(Store):
     def close(self) -> None:
         self.release()
         self.store.close()
+        for f in self.shm:
+            f.unlink(missing_ok=True)
 
 
 class Redis(Store):

@@ -119,11 +119,11 @@ class CodesClient:
     # -- blocking calls (GIL released during I/O) ------------------------------------------
 
     def exists(self, keys: Sequence[bytes], lease_ms: int = 0) -> bytes:
-        return self._c.exists(list(keys), lease_ms)  # type: ignore[no-any-return]
+        return self._c.exists(keys, lease_ms)  # type: ignore[no-any-return]
 
     def exists_lengths(self, keys: Sequence[bytes], lease_ms: int = 0
                        ) -> tuple[bytes, list[int]]:
-        return self._c.exists_lengths(list(keys), lease_ms)  # type: ignore[no-any-return]
+        return self._c.exists_lengths(keys, lease_ms)  # type: ignore[no-any-return]
 
     def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> bytes:
         ptrs, sizes = _addresses(values, writable=False)
@@ -144,12 +144,12 @@ class CodesClient:
         return self._c.get_into(list(keys), list(ptrs), list(sizes))  # type: ignore[no-any-return]
 
     def delete(self, keys: Sequence[bytes]) -> bytes:
-        return self._c.delete(list(keys))  # type: ignore[no-any-return]
+        return self._c.delete(keys)  # type: ignore[no-any-return]
 
     # -- submitted calls (native I/O threads; owners kept alive until done) ------------------
 
     def submit_exists(self, keys: Sequence[bytes], lease_ms: int = 0) -> CodesOp:
-        return CodesOp(self._c.submit_exists(list(keys), lease_ms))
+        return CodesOp(self._c.submit_exists(keys, lease_ms))
 
     def submit_put(self, keys: Sequence[bytes], values: Sequence[Any]) -> CodesOp:
         ptrs, sizes = _addresses(values, writable=False)

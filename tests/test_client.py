@@ -410,6 +410,44 @@ def test_batches_beyond_the_frame_limits_are_split(memkv_server):
     assert c.health()[memkv_server.address]["up"] is True
 
 
+def test_existence_checks_answer_every_key_in_place_across_servers_and_frames(memkv_cluster2):
+    """Empty batches, repeated keys, keys of both servers interleaved, invalid keys among valid
+    ones, and a batch of more keys than one frame carries: each answer lands at its key's place."""
+    c = client_for(*memkv_cluster2)
+    stored = [b"ex/%06d" % i for i in range(0, 70_000, 7)]
+    assert c.put(stored, [b"x" * 5] * len(stored)) == [Status.OK] * len(stored)
+    assert min(s.stats()["items"] for s in memkv_cluster2) > len(stored) // 3
+    keys = [b"ex/%06d" % i for i in range(70_000)]  # over MAX_BATCH (65,536): several frames
+    hit = [i % 7 == 0 for i in range(70_000)]
+    codes = c.codes.exists(keys)
+    assert codes == bytes(Status.OK if h else Status.NOT_FOUND for h in hit)
+    assert c.exists(keys) == list(map(Status, codes))
+    # Repeats, invalid keys between valid ones, and keys as other bytes-like objects.
+    mixed = [keys[7], b"", keys[7], keys[1], b"k" * 2000, bytearray(keys[14]), keys[7]]
+    ok, miss, bad = Status.OK, Status.NOT_FOUND, Status.INVALID_KEY
+    assert c.exists(mixed) == [ok, bad, ok, miss, bad, ok, ok]
+    assert c.codes.exists_lengths(mixed) == (bytes([ok, bad, ok, miss, bad, ok, ok]),
+                                             [5, 0, 5, 0, 0, 5, 5])
+    assert c.codes.exists(iter(mixed[:4])) == bytes([ok, bad, ok, miss])  # any iterable
+    assert c.codes.submit_exists(tuple(mixed)).wait(30) == bytes([ok, bad, ok, miss, bad, ok, ok])
+    # Leases on repeated keys: one lease per value, the same answers.
+    assert c.exists([keys[0], keys[0]], lease_ms=60_000) == [ok, ok]
+    assert c.exists([]) == [] and c.codes.exists([]) == b"" and c.exists_lengths([]) == []
+    assert c.codes.submit_exists([]).wait(30) == b""
+    with pytest.raises(TypeError):
+        c.exists(["a str is not a key"])
+    with pytest.raises(TypeError):
+        c.exists(None)
+    stats = [s.stats() for s in memkv_cluster2]
+    assert not any(n for st in stats for n in st["errors"].values())
+    # The servers counted every key they answered: two full passes, three of `mixed` (five
+    # valid keys, four hits), its first four once, and the leased pair.
+    total = {k: sum(st[k] for st in stats) for k in ("exists_hits", "exists_misses",
+                                                     "leases_granted")}
+    assert total == {"exists_hits": 2 * 10_000 + 3 * 4 + 2 + 2,
+                     "exists_misses": 2 * 60_000 + 3 * 1 + 1, "leases_granted": 2}
+
+
 def test_status_codes_say_what_the_enums_say_for_hits_misses_and_a_down_server(
         memkv_cluster2):
     up, down = memkv_cluster2

@@ -129,16 +129,29 @@ impl Frame {
                 Frame::KeyLens => 8,
             }
     }
+
+    /// Keys per connection when a server's share of a batch is split over its connections (one
+    /// part per this many keys, rounded up): each further part costs a thread hand-off, tens of
+    /// microseconds. A value moves its bytes, so a few keys already pay for a part of their
+    /// own; a key-only lookup costs the server well under a microsecond, so a batch of up to
+    /// 2,048 keys is answered sooner on one connection (a 1,000-key EXISTS took 75 us on one
+    /// against 104 us split over two, see docs/benchmarks.md).
+    fn keys_per_part(self) -> usize {
+        match self {
+            Frame::Keys => 2048,
+            Frame::KeyLens => 4,
+        }
+    }
 }
 
 /// Splits `idx` into runs that each fit one frame: at most `MAX_BATCH` keys and a control body
 /// of at most `MAX_BODY_LEN` bytes, so the server never has to refuse a batch as too large.
-fn frames<'a>(idx: &'a [usize], keys: &[Vec<u8>], kind: Frame) -> Vec<&'a [usize]> {
+fn frames<'a, K: AsRef<[u8]>>(idx: &'a [usize], keys: &[K], kind: Frame) -> Vec<&'a [usize]> {
     let max_body = memkv_proto::MAX_BODY_LEN as usize - FRAME_FIXED;
     let mut out = Vec::new();
     let (mut start, mut bytes) = (0, 0);
     for (n, &i) in idx.iter().enumerate() {
-        let b = kind.key_bytes(&keys[i]);
+        let b = kind.key_bytes(keys[i].as_ref());
         if n > start && (n - start == memkv_proto::MAX_BATCH || bytes + b > max_body) {
             out.push(&idx[start..n]);
             (start, bytes) = (n, 0);
@@ -153,7 +166,7 @@ fn frames<'a>(idx: &'a [usize], keys: &[Vec<u8>], kind: Frame) -> Vec<&'a [usize
 
 pub struct Client {
     pools: Vec<Pool>,
-    ids: Vec<String>,
+    placement: placement::Placement,
     cfg: ClientConfig,
     exec: Executor,
     /// The RDMA transport's registrations, when values move by RDMA.
@@ -225,7 +238,7 @@ impl Client {
             .collect();
         Ok(Arc::new(Client {
             pools,
-            ids,
+            placement: placement::Placement::new(&ids),
             exec: Executor::new(cfg.io_threads.max(1)),
             cfg,
             registrations,
@@ -263,14 +276,14 @@ impl Client {
 
     /// Index of the server that owns `key`.
     pub fn server_of(&self, key: &[u8]) -> usize {
-        placement::rendezvous(key, &self.ids)
+        self.placement.owner(key)
     }
 
     fn deadline(&self) -> Instant {
         Instant::now() + self.cfg.op_timeout
     }
 
-    pub fn exists(&self, keys: &[Vec<u8>], lease_ms: u32) -> Vec<(Status, u64)> {
+    pub fn exists<K: AsRef<[u8]> + Sync>(&self, keys: &[K], lease_ms: u32) -> Vec<(Status, u64)> {
         let mut out = vec![(Status::InvalidKey, 0); keys.len()];
         self.fan_out(
             keys,
@@ -278,14 +291,14 @@ impl Client {
             &mut out,
             |s| (s, 0),
             |c, idx| {
-                let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_slice()).collect();
+                let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
                 c.exists(&ks, lease_ms)
             },
         );
         out
     }
 
-    pub fn delete(&self, keys: &[Vec<u8>]) -> Vec<Status> {
+    pub fn delete<K: AsRef<[u8]> + Sync>(&self, keys: &[K]) -> Vec<Status> {
         let mut out = vec![Status::InvalidKey; keys.len()];
         self.fan_out(
             keys,
@@ -293,7 +306,7 @@ impl Client {
             &mut out,
             |s| s,
             |c, idx| {
-                let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_slice()).collect();
+                let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
                 c.delete(&ks)
             },
         );
@@ -392,9 +405,9 @@ impl Client {
     /// protocol's limits, all under one deadline. Writes each key's result into `out`; keys of a
     /// failed server or connection get `fail(status of the failure)`. Invalid keys never reach a
     /// server (they keep what `out` held).
-    fn fan_out<T: Copy + Send>(
+    fn fan_out<K: AsRef<[u8]> + Sync, T: Copy + Send>(
         &self,
-        keys: &[Vec<u8>],
+        keys: &[K],
         kind: Frame,
         out: &mut [T],
         fail: impl Fn(Status) -> T + Sync,
@@ -403,6 +416,7 @@ impl Client {
         let deadline = self.deadline();
         let mut groups: Vec<Vec<usize>> = vec![Vec::new(); self.pools.len()];
         for (i, k) in keys.iter().enumerate() {
+            let k = k.as_ref();
             if memkv_proto::key_ok(k) {
                 groups[self.server_of(k)].push(i);
             }
@@ -414,8 +428,7 @@ impl Client {
             .enumerate()
             .filter(|(_, g)| !g.is_empty())
         {
-            // Split only batches worth it: several keys per connection.
-            let parts = per.min(g.len().div_ceil(4)).max(1);
+            let parts = per.min(g.len().div_ceil(kind.keys_per_part())).max(1);
             let chunk = g.len().div_ceil(parts);
             tasks.extend(g.chunks(chunk).map(|c| (s, c.to_vec())));
         }

@@ -108,14 +108,38 @@ fn compressed_v6(a: &Ipv6Addr) -> String {
 /// Index of the server in `servers` that owns `key`. Servers are identified by their address
 /// string, so the order of the list does not matter.
 pub fn rendezvous<S: AsRef<str>>(key: &[u8], servers: &[S]) -> usize {
-    let mut best = (0u64, 0usize);
-    for (i, s) in servers.iter().enumerate() {
-        let score = XxHash3_64::oneshot_with_seed(XxHash3_64::oneshot(s.as_ref().as_bytes()), key);
-        if i == 0 || score > best.0 {
-            best = (score, i);
-        }
+    Placement::new(servers).owner(key)
+}
+
+/// `rendezvous` over one server list, with each server's hash computed once instead of once per
+/// key, and no hashing at all for a single server.
+pub struct Placement {
+    seeds: Vec<u64>,
+}
+
+impl Placement {
+    pub fn new<S: AsRef<str>>(servers: &[S]) -> Placement {
+        let seeds = servers
+            .iter()
+            .map(|s| XxHash3_64::oneshot(s.as_ref().as_bytes()))
+            .collect();
+        Placement { seeds }
     }
-    best.1
+
+    /// Index of the server that owns `key`.
+    pub fn owner(&self, key: &[u8]) -> usize {
+        if self.seeds.len() == 1 {
+            return 0;
+        }
+        let mut best = (0u64, 0usize);
+        for (i, &seed) in self.seeds.iter().enumerate() {
+            let score = XxHash3_64::oneshot_with_seed(seed, key);
+            if i == 0 || score > best.0 {
+                best = (score, i);
+            }
+        }
+        best.1
+    }
 }
 
 #[cfg(test)]
@@ -167,6 +191,35 @@ mod tests {
         ] {
             assert!(canonical_server(bad).is_err(), "{bad:?} accepted");
         }
+    }
+
+    /// Clients of different versions share servers, so placement must never change: these
+    /// owners are what every earlier version computed.
+    #[test]
+    fn owners_are_those_of_earlier_versions() {
+        let s = [
+            "10.0.0.1:7390",
+            "10.0.0.2:7390",
+            "10.0.0.3:7390",
+            "[::1]:7390",
+            "host-a:1",
+        ];
+        let owners = |n: usize| -> Vec<usize> {
+            let p = Placement::new(&s[..n]);
+            (0..24)
+                .map(|i| p.owner(format!("key/{i}").as_bytes()))
+                .collect()
+        };
+        assert_eq!(
+            owners(5),
+            [1, 1, 3, 4, 0, 0, 0, 2, 1, 3, 1, 1, 2, 0, 2, 1, 0, 3, 4, 1, 1, 1, 4, 1]
+        );
+        assert_eq!(
+            owners(2),
+            [1, 1, 1, 1, 0, 0, 0, 1, 1, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 1, 1, 0, 1]
+        );
+        assert_eq!(owners(1), [0; 24]);
+        assert_eq!(rendezvous(b"key/3", &s), 4);
     }
 
     #[test]

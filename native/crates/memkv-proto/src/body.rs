@@ -123,19 +123,25 @@ pub fn key_ok(k: &[u8]) -> bool {
 
 // ---- requests -------------------------------------------------------------------------------
 
-pub fn encode_keys<K: AsRef<[u8]>>(keys: &[K]) -> Vec<u8> {
-    let mut w = Writer::with_capacity(4 + keys.iter().map(|k| 2 + k.as_ref().len()).sum::<usize>());
+/// `count u32, count x (klen u16, key)` after `head` bytes of room, written in one allocation.
+fn key_table<K: AsRef<[u8]>>(head: usize, keys: &[K]) -> Writer {
+    let table: usize = keys.iter().map(|k| 2 + k.as_ref().len()).sum();
+    let mut w = Writer::with_capacity(head + 4 + table);
+    w.0.resize(head, 0);
     w.u32(keys.len() as u32);
     for k in keys {
         w.key(k.as_ref());
     }
-    w.0
+    w
+}
+
+pub fn encode_keys<K: AsRef<[u8]>>(keys: &[K]) -> Vec<u8> {
+    key_table(0, keys).0
 }
 
 pub fn encode_exists<K: AsRef<[u8]>>(lease_ms: u32, keys: &[K]) -> Vec<u8> {
-    let mut w = Writer::with_capacity(4);
-    w.u32(lease_ms);
-    w.bytes(&encode_keys(keys));
+    let mut w = key_table(4, keys);
+    w.0[..4].copy_from_slice(&lease_ms.to_le_bytes());
     w.0
 }
 
@@ -296,9 +302,16 @@ mod tests {
     #[test]
     fn exists_round_trip() {
         let body = encode_exists(5000, &[b"x".as_slice(), b"yy"]);
+        assert_eq!(body, b"\x88\x13\0\0\x02\0\0\0\x01\0x\x02\0yy");
         assert_eq!(
             decode_exists(&body).unwrap(),
             (5000, vec![&b"x"[..], &b"yy"[..]])
+        );
+        let none: [&[u8]; 0] = [];
+        assert_eq!(encode_exists(7, &none), [7, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(
+            decode_exists(&encode_exists(7, &none)).unwrap(),
+            (7, vec![])
         );
     }
 

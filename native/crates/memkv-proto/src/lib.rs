@@ -26,51 +26,78 @@ pub const MAX_LEASE_MS: u64 = 3_600_000;
 /// Length of the auth challenge nonce and of the HMAC-SHA256 answer.
 pub const NONCE_LEN: usize = 32;
 
-/// Per-key outcome carried in every batch reply.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Status {
-    Ok = 0,
-    /// Not stored (never written, evicted, deleted, or dropped after a checksum mismatch).
-    NotFound = 1,
-    /// GET: the stored value's length differs from the caller's buffer; no byte was sent.
-    LengthMismatch = 2,
-    /// PUT: the value is larger than the server accepts.
-    TooLarge = 3,
-    /// PUT: no room even after eviction (everything pinned or leased).
-    NoSpace = 4,
-    /// Client side: the server owning the key is down, slow or misbehaved.
-    Unavailable = 5,
-    /// GET: the stored bytes failed their checksum; the value was dropped.
-    Corrupt = 6,
-    /// The key is empty or longer than `MAX_KEY_LEN`.
-    InvalidKey = 7,
-    /// EXISTS with a lease: found, but the lane's leased-bytes bound is reached, so no lease.
-    OkNoLease = 8,
-    /// PUT or GET over RDMA: the server's read or write of the client's memory failed (a
-    /// descriptor the client's registration does not cover, a revoked registration, or the
-    /// client's endpoint gone). PUT: nothing stored. GET: the buffer may hold part of the value.
-    RemoteAccess = 9,
+/// Invokes the macro `$then` with the wire statuses, each `doc, Name = number, "NAME";`, in
+/// brackets, followed by the rest of the arguments. The list exists only here: this crate builds
+/// `Status` from it, and the client builds its per-key outcome (these statuses plus outcomes
+/// only a client can produce) from it, so a status added here reaches the client's enum, number
+/// and name with nothing else to keep in step.
+#[macro_export]
+macro_rules! with_wire_statuses {
+    ($then:ident $(, $($rest:tt)*)?) => {
+        $then! {
+            [
+                /// Found / stored / sent.
+                Ok = 0, "OK";
+                /// Not stored (never written, evicted, deleted, or dropped after a checksum
+                /// mismatch).
+                NotFound = 1, "NOT_FOUND";
+                /// GET: the stored value's length differs from the caller's buffer; no byte was
+                /// sent.
+                LengthMismatch = 2, "LENGTH_MISMATCH";
+                /// PUT: the value is larger than the server accepts; or a frame the server
+                /// refused as too large (the client splits batches so that this does not happen
+                /// with this build's server).
+                TooLarge = 3, "TOO_LARGE";
+                /// PUT: no room even after eviction (everything pinned or leased).
+                NoSpace = 4, "NO_SPACE";
+                /// Client side: the owning server is marked down after an earlier failure (the
+                /// reason is in the client's `health()` and was logged when it went down), or
+                /// the connection broke for another reason.
+                Unavailable = 5, "UNAVAILABLE";
+                /// GET: the stored bytes failed their checksum; the value was dropped.
+                Corrupt = 6, "CORRUPT";
+                /// The key is empty or longer than `MAX_KEY_LEN`.
+                InvalidKey = 7, "INVALID_KEY";
+                /// EXISTS with a lease: found, but the lane's leased-bytes bound is reached, so
+                /// no lease.
+                OkNoLease = 8, "OK_NO_LEASE";
+                /// PUT or GET over RDMA: the server's read or write of the client's memory
+                /// failed (a descriptor the client's registration does not cover, a revoked
+                /// registration, or the client's endpoint gone). PUT: nothing stored. GET: the
+                /// buffer may hold part of the value.
+                RemoteAccess = 9, "REMOTE_ACCESS";
+            ]
+            $($($rest)*)?
+        }
+    };
 }
 
-impl Status {
-    pub fn from_u8(v: u8) -> Option<Status> {
-        use Status::*;
-        Some(match v {
-            0 => Ok,
-            1 => NotFound,
-            2 => LengthMismatch,
-            3 => TooLarge,
-            4 => NoSpace,
-            5 => Unavailable,
-            6 => Corrupt,
-            7 => InvalidKey,
-            8 => OkNoLease,
-            9 => RemoteAccess,
-            _ => return None,
-        })
-    }
+macro_rules! wire_status {
+    ([$($(#[$doc:meta])* $name:ident = $num:literal, $text:literal;)*]) => {
+        /// Per-key outcome carried in every batch reply.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[repr(u8)]
+        pub enum Status {
+            $($(#[$doc])* $name = $num,)*
+        }
 
+        impl Status {
+            /// Every wire status, in numeric order.
+            pub const ALL: &'static [Status] = &[$(Status::$name),*];
+
+            pub fn from_u8(v: u8) -> Option<Status> {
+                match v {
+                    $($num => Some(Status::$name),)*
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+with_wire_statuses!(wire_status);
+
+impl Status {
     /// True for statuses meaning "the value is there" (EXISTS) or "the bytes arrived" (GET/PUT).
     pub fn is_ok(self) -> bool {
         matches!(self, Status::Ok | Status::OkNoLease)
@@ -189,6 +216,22 @@ impl ErrorCode {
 
 #[cfg(test)]
 mod tests {
+    use super::Status;
+
+    /// `from_u8` knows exactly the numbers of `ALL`, each its own status; docs/protocol.md's
+    /// table lists these ten.
+    #[test]
+    fn wire_status_numbers_round_trip() {
+        let known: Vec<u8> = (0..=255u8)
+            .filter(|&v| Status::from_u8(v).is_some())
+            .collect();
+        assert_eq!(known, (0..10).collect::<Vec<u8>>());
+        for &s in Status::ALL {
+            assert_eq!(Status::from_u8(s as u8), Some(s));
+        }
+        assert_eq!(Status::ALL.len(), known.len());
+    }
+
     #[test]
     fn checksum_is_standard_xxh3_64() {
         // XXH3-64, seed 0, as computed by an independent implementation (xxhash-rust 0.8): the

@@ -12,6 +12,7 @@
 //! No Rust panic crosses into Python: every entry point runs under `catch_unwind` and turns a
 //! panic (a bug) into a `RuntimeError` with a clear message instead of pyo3's `PanicException`.
 
+mod keys;
 mod testing;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -23,6 +24,8 @@ use memkv_client::{placement, TransportChoice};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+
+use keys::Keys;
 
 /// Runs `f`, turning a panic into a Python RuntimeError.
 fn no_panic<T>(f: impl FnOnce() -> T) -> PyResult<T> {
@@ -155,11 +158,11 @@ impl PyClient {
     fn exists<'py>(
         &self,
         py: Python<'py>,
-        keys: Vec<Vec<u8>>,
+        keys: Keys,
         lease_ms: u32,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let c = &self.inner;
-        let v = py.detach(|| no_panic(|| c.exists(&keys, lease_ms)))?;
+        let v = py.detach(|| no_panic(|| c.exists(&keys.slices(), lease_ms)))?;
         Ok(exists_codes(py, &v))
     }
 
@@ -168,17 +171,20 @@ impl PyClient {
     fn exists_lengths<'py>(
         &self,
         py: Python<'py>,
-        keys: Vec<Vec<u8>>,
+        keys: Keys,
         lease_ms: u32,
     ) -> PyResult<(Bound<'py, PyBytes>, Vec<u64>)> {
         let c = &self.inner;
-        let v = py.detach(|| no_panic(|| c.exists(&keys, lease_ms)))?;
+        let v = py.detach(|| no_panic(|| c.exists(&keys.slices(), lease_ms)))?;
         Ok(codes_lens(py, &v))
     }
 
-    fn delete<'py>(&self, py: Python<'py>, keys: Vec<Vec<u8>>) -> PyResult<Bound<'py, PyBytes>> {
+    fn delete<'py>(&self, py: Python<'py>, keys: Keys) -> PyResult<Bound<'py, PyBytes>> {
         let c = &self.inner;
-        Ok(codes(py, &py.detach(|| no_panic(|| c.delete(&keys)))?))
+        Ok(codes(
+            py,
+            &py.detach(|| no_panic(|| c.delete(&keys.slices())))?,
+        ))
     }
 
     /// Stores from raw addresses. Unsafe in Rust's sense: the caller guarantees every
@@ -208,11 +214,11 @@ impl PyClient {
     }
 
     #[pyo3(signature = (keys, lease_ms=0))]
-    fn submit_exists(&self, keys: Vec<Vec<u8>>, lease_ms: u32) -> PyOp {
+    fn submit_exists(&self, keys: Keys, lease_ms: u32) -> PyOp {
         PyOp {
             op: self
                 .inner
-                .submit(move |c| OpResult::StatusLens(c.exists(&keys, lease_ms))),
+                .submit(move |c| OpResult::StatusLens(c.exists(&keys.slices(), lease_ms))),
         }
     }
 

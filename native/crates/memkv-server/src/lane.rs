@@ -47,6 +47,11 @@ impl Value {
 /// ghost. docs/security.md states the bound this gives.
 pub const ENTRY_OVERHEAD: u64 = 512;
 
+/// Keys an EXISTS looks up under one hold of a lane's lock: taking it once per key cost more
+/// than the lookup itself, and this many lookups hold it for a few microseconds at most, so a
+/// PUT or GET on the lane never waits long behind a large batch.
+const LOOKUPS_PER_LOCK: usize = 256;
+
 /// What an entry of `key_len` and `len` bytes is charged for its index memory.
 pub fn index_charge(key_len: usize, len: u64) -> u64 {
     let chunks = len.div_ceil(memkv_proto::CHECKSUM_CHUNK as u64).max(1);
@@ -294,20 +299,38 @@ impl Lane {
         inner.compact();
     }
 
-    /// EXISTS: the status and value length; with `lease` > 0 a hit is protected from eviction
-    /// until the lease ends or a GET releases it, within the lane's leased-bytes bound.
-    pub fn exists(&self, key: &[u8], lease: Duration) -> (Status, u64) {
-        let now = Instant::now();
-        let mut guard = self.inner.lock().unwrap();
-        let inner = &mut *guard;
-        expire_leases(inner, now);
+    /// EXISTS of the keys `at` names in `keys`: each answer (status, value length) goes to the
+    /// same place in `out`. With `lease` > 0 a hit is protected from eviction until the lease
+    /// ends or a GET releases it, within the lane's leased-bytes bound. The lock is taken once
+    /// per `LOOKUPS_PER_LOCK` keys, not once per key.
+    pub fn exists(&self, keys: &[&[u8]], at: &[u32], lease: Duration, out: &mut [(Status, u64)]) {
+        for part in at.chunks(LOOKUPS_PER_LOCK) {
+            let now = Instant::now();
+            let mut guard = self.inner.lock().unwrap();
+            let inner = &mut *guard;
+            expire_leases(inner, now);
+            for &i in part {
+                let i = i as usize;
+                out[i] = self.exists_locked(inner, keys[i], now, lease);
+            }
+        }
+    }
+
+    fn exists_locked(
+        &self,
+        inner: &mut Inner,
+        key: &[u8],
+        now: Instant,
+        lease: Duration,
+    ) -> (Status, u64) {
         let Some((k, e)) = inner.index.get_key_value(key) else {
             return (Status::NotFound, 0);
         };
-        let (k, len, leased, gen) = (k.clone(), e.value.span.len(), e.lease_until, e.gen);
+        let len = e.value.span.len();
         if lease.is_zero() {
             return (Status::Ok, len);
         }
+        let (k, leased, gen) = (k.clone(), e.lease_until, e.gen);
         let until = now + lease;
         if leased.is_none() {
             if inner.pinned() + len > self.max_pinned_bytes {
@@ -528,8 +551,14 @@ mod tests {
         put_len(l, k, V)
     }
 
+    fn exists(l: &Lane, k: &[u8], lease: Duration) -> (Status, u64) {
+        let mut out = [(Status::InvalidKey, 0)];
+        l.exists(&[k], &[0], lease, &mut out);
+        out[0]
+    }
+
     fn has(l: &Lane, k: &str) -> bool {
-        l.exists(k.as_bytes(), Duration::ZERO).0 == Status::Ok
+        exists(l, k.as_bytes(), Duration::ZERO).0 == Status::Ok
     }
 
     fn fetch<'a>(l: &'a Lane, k: &str) -> Pinned<'a> {
@@ -565,7 +594,7 @@ mod tests {
         for k in ["a", "b", "c", "d"] {
             put(&l, k);
         }
-        assert_eq!(l.exists(b"a", Duration::from_secs(60)).0, Status::Ok);
+        assert_eq!(exists(&l, b"a", Duration::from_secs(60)).0, Status::Ok);
         let held = fetch(&l, "b");
         put(&l, "e");
         put(&l, "f");
@@ -573,8 +602,8 @@ mod tests {
         assert!(has(&l, "b"), "value in transfer evicted");
         assert!(held.span.as_slice().iter().all(|&x| x == b'b'));
         // Everything left is pinned: a new put finds no space rather than evicting a pinned one.
-        l.exists(b"e", Duration::from_secs(60));
-        l.exists(b"f", Duration::from_secs(60));
+        exists(&l, b"e", Duration::from_secs(60));
+        exists(&l, b"f", Duration::from_secs(60));
         assert_eq!(put(&l, "g"), Status::NoSpace);
         drop(held);
     }
@@ -583,11 +612,11 @@ mod tests {
     fn leases_expire_and_get_releases_them() {
         let l = lane(4, 1.0);
         put(&l, "a");
-        l.exists(b"a", Duration::from_millis(30));
+        exists(&l, b"a", Duration::from_millis(30));
         assert_eq!(l.stats().leased_bytes, V);
         std::thread::sleep(Duration::from_millis(50));
         assert_eq!(l.stats().leased_bytes, 0);
-        l.exists(b"a", Duration::from_secs(60));
+        exists(&l, b"a", Duration::from_secs(60));
         assert_eq!(l.stats().leased_bytes, V);
         let p = fetch(&l, "a");
         assert_eq!(
@@ -604,9 +633,12 @@ mod tests {
         for k in ["a", "b", "c"] {
             put(&l, k);
         }
-        assert_eq!(l.exists(b"a", Duration::from_secs(9)).0, Status::Ok);
-        assert_eq!(l.exists(b"b", Duration::from_secs(9)).0, Status::Ok);
-        assert_eq!(l.exists(b"c", Duration::from_secs(9)).0, Status::OkNoLease);
+        assert_eq!(exists(&l, b"a", Duration::from_secs(9)).0, Status::Ok);
+        assert_eq!(exists(&l, b"b", Duration::from_secs(9)).0, Status::Ok);
+        assert_eq!(
+            exists(&l, b"c", Duration::from_secs(9)).0,
+            Status::OkNoLease
+        );
     }
 
     #[test]
@@ -618,7 +650,10 @@ mod tests {
         // A slow reader holds four values mid-send: half the lane, the whole bound.
         let held: Vec<Pinned> = ["a", "b", "c", "d"].iter().map(|k| fetch(&l, k)).collect();
         assert_eq!(l.fetch(b"e").err(), Some(Status::NoSpace));
-        assert_eq!(l.exists(b"e", Duration::from_secs(9)).0, Status::OkNoLease);
+        assert_eq!(
+            exists(&l, b"e", Duration::from_secs(9)).0,
+            Status::OkNoLease
+        );
         // Writers are bounded apart from readers: new values still find room by evicting,
         // up to half the lane being received at once.
         let rs: Vec<Reservation> = (0..4).map(|_| l.reserve(1, V).ok().unwrap()).collect();
@@ -657,7 +692,7 @@ mod tests {
         let l = lane(4, 0.5);
         for i in 0..100_000u64 {
             put_len(&l, "a", 64);
-            l.exists(b"a", Duration::from_secs(1 + i % 7));
+            exists(&l, b"a", Duration::from_secs(1 + i % 7));
         }
         let inner = l.inner.lock().unwrap();
         let queued = inner.small.len() + inner.main.len();

@@ -32,9 +32,13 @@ impl Store {
         })
     }
 
-    fn lane(&self, key: &[u8]) -> &Lane {
+    fn lane_index(&self, key: &[u8]) -> usize {
         let h = twox_hash::XxHash3_64::oneshot(key);
-        &self.lanes[(h % self.lanes.len() as u64) as usize]
+        (h % self.lanes.len() as u64) as usize
+    }
+
+    fn lane(&self, key: &[u8]) -> &Lane {
+        &self.lanes[self.lane_index(key)]
     }
 
     pub fn reserve(&self, key: &[u8], len: u64) -> Result<Reservation<'_>, Status> {
@@ -48,10 +52,39 @@ impl Store {
         self.lane(key).commit(key, res, checksums)
     }
 
-    /// EXISTS, with a lease of at most `MAX_LEASE_MS` (longer asks are cut to it).
-    pub fn exists(&self, key: &[u8], lease: Duration) -> (Status, u64) {
+    /// EXISTS of a batch, one (status, value length) per key in order, with a lease of at most
+    /// `MAX_LEASE_MS` (longer asks are cut to it). Keys are grouped by lane so that each lane
+    /// is locked once per run of its keys (`Lane::exists`), not once per key.
+    pub fn exists(&self, keys: &[&[u8]], lease: Duration) -> Vec<(Status, u64)> {
         let lease = lease.min(Duration::from_millis(memkv_proto::MAX_LEASE_MS));
-        self.lane(key).exists(key, lease)
+        let mut out = vec![(Status::NotFound, 0); keys.len()];
+        if let [lane] = &self.lanes[..] {
+            let at: Vec<u32> = (0..keys.len() as u32).collect();
+            lane.exists(keys, &at, lease, &mut out);
+            return out;
+        }
+        // A counting sort of the key positions by lane: `at[start[l]..start[l + 1]]` are lane
+        // l's keys, in batch order.
+        let lane_of: Vec<u32> = keys.iter().map(|k| self.lane_index(k) as u32).collect();
+        let mut start = vec![0usize; self.lanes.len() + 1];
+        for &l in &lane_of {
+            start[l as usize + 1] += 1;
+        }
+        let mut sum = 0;
+        for s in start.iter_mut() {
+            sum += *s;
+            *s = sum;
+        }
+        let mut next = start.clone();
+        let mut at = vec![0u32; keys.len()];
+        for (i, &l) in lane_of.iter().enumerate() {
+            at[next[l as usize]] = i as u32;
+            next[l as usize] += 1;
+        }
+        for (l, lane) in self.lanes.iter().enumerate() {
+            lane.exists(keys, &at[start[l]..start[l + 1]], lease, &mut out);
+        }
+        out
     }
 
     /// GET lookup. The first chunk (all of a value up to `CHECKSUM_CHUNK`) is verified here,
@@ -121,12 +154,52 @@ mod tests {
         let r = s.reserve(b"k", 10).ok().unwrap();
         s.commit(b"k", r, memkv_proto::chunk_checksums(&[0; 10]));
         let forty_nine_days = Duration::from_millis(u32::MAX as u64);
-        assert_eq!(s.exists(b"k", forty_nine_days).0, Status::Ok);
+        assert_eq!(s.exists(&[b"k"], forty_nine_days)[0].0, Status::Ok);
         let left = s.lane(b"k").lease_left(b"k").unwrap();
         assert!(
             left <= Duration::from_millis(memkv_proto::MAX_LEASE_MS),
             "{left:?}"
         );
+    }
+
+    fn put(s: &Store, key: &[u8], len: u64) {
+        let r = s.reserve(key, len).ok().unwrap();
+        s.commit(key, r, memkv_proto::chunk_checksums(&vec![0; len as usize]));
+    }
+
+    /// A batch spread over every lane answers each key at its own place, repeats included, and
+    /// leases a key named twice once.
+    #[test]
+    fn a_batch_over_several_lanes_answers_in_order() {
+        for lanes in [1, 4] {
+            let s = Store::new(4 << 20, lanes, 0.5).unwrap();
+            let names: Vec<Vec<u8>> = (0..600).map(|i| format!("k/{i}").into_bytes()).collect();
+            for (i, k) in names.iter().enumerate().filter(|(i, _)| i % 3 != 0) {
+                put(&s, k, 1 + i as u64);
+            }
+            let mut keys: Vec<&[u8]> = names.iter().map(|k| k.as_slice()).collect();
+            keys.push(&names[1]);
+            keys.push(&names[3]);
+            let want = |i: usize| match i % 3 {
+                0 => (Status::NotFound, 0),
+                _ => (Status::Ok, 1 + i as u64),
+            };
+            let got = s.exists(&keys, Duration::ZERO);
+            assert_eq!(got.len(), 602);
+            for (i, g) in got[..600].iter().enumerate() {
+                assert_eq!(*g, want(i), "lanes {lanes}, key {i}");
+            }
+            assert_eq!(got[600..], [want(1), want(3)]);
+            assert_eq!(s.lane_stats().leased_bytes, 0);
+            let leased = s.exists(&[&names[1], &names[1], &names[2]], Duration::from_secs(60));
+            assert_eq!(leased, [(Status::Ok, 2), (Status::Ok, 2), (Status::Ok, 3)]);
+            assert_eq!(
+                s.lane_stats().leased_bytes,
+                5,
+                "a repeated key is leased once"
+            );
+            assert!(s.exists(&[], Duration::ZERO).is_empty());
+        }
     }
 
     #[test]
