@@ -71,6 +71,8 @@ NON_CLIENT_ENV: frozenset[str] = frozenset(
         # `memkv serve --rdma`; the provider is read by the native client as well.
         "MEMKV_RDMA",
         "MEMKV_RDMA_PROVIDER",
+        # The libfabric the native code loads (client and server alike).
+        "MEMKV_LIBFABRIC",
     }
 )
 

@@ -230,6 +230,22 @@ def test_rdma_transport_is_refused_clearly(memkv_server, monkeypatch):
     assert "RDMA is off on this server" in h["reason"]
 
 
+def test_a_server_on_another_provider_refuses_rdma_and_serves_auto_over_tcp(
+        memkv_server_factory, monkeypatch):
+    srv = memkv_server_factory(memory="16M", lanes=1,
+                               extra=["--rdma", "--rdma-provider", "sockets"])
+    monkeypatch.setenv("MEMKV_RDMA_PROVIDER", "tcp")
+    c = client_for(srv, transport="rdma")
+    assert c.put([b"p"], [b"v"]) == [Status.UNAVAILABLE]
+    (h,) = c.health().values()
+    assert 'the server\'s libfabric provider is "sockets", the client\'s "tcp;ofi_rxm"' in h[
+        "reason"], h
+    auto = client_for(srv, transport="auto", rdma_devices=("lo",))
+    assert auto.put([b"p"], [b"v"]) == [Status.OK]
+    d = bytearray(1)
+    assert auto.get_into([b"p"], [d]) == [Status.OK] and d == b"v"
+
+
 def test_env_config_reaches_the_client(memkv_server, monkeypatch):
     monkeypatch.setenv("MEMKV_SERVERS", memkv_server.address)
     monkeypatch.delenv("MEMKV_CONFIG", raising=False)
@@ -239,12 +255,14 @@ def test_env_config_reaches_the_client(memkv_server, monkeypatch):
     assert os.environ["MEMKV_SERVERS"] == memkv_server.address
 
 
-def test_frozen_server_times_out_then_recovers_logging_each_change_once(memkv_server, caplog):
+def test_frozen_server_times_out_then_recovers_logging_each_change_once(transport, memkv_server,
+                                                                       caplog):
     """A server that accepts but stops answering (SIGSTOP) costs one op timeout, not a hang;
     retries during its backoff periods stay quiet; once it answers again the client reconnects.
-    Going down (with the reason) and coming back are logged once each."""
+    Going down (with the reason) and coming back are logged once each. Over RDMA the timed-out
+    GET's registration is revoked, so the server's late write, once resumed, fails."""
     caplog.set_level(logging.INFO, logger="memkv_client")
-    c = client_for(memkv_server, op_timeout_s=1.0, connect_timeout_s=0.5)
+    c = client_for(memkv_server, transport=transport, op_timeout_s=1.0, connect_timeout_s=0.5)
     assert c.put([b"f"], [b"1"]) == [Status.OK]
     memkv_server.proc.send_signal(signal.SIGSTOP)
     stat = f"/proc/{memkv_server.proc.pid}/stat"
@@ -268,6 +286,30 @@ def test_frozen_server_times_out_then_recovers_logging_each_change_once(memkv_se
     assert sum("answers again" in m for m in msgs) == 1, msgs
     assert "outcome=TIMEOUT" in next(m for m in msgs if "server down" in m)
     assert c.health()[memkv_server.address]["up"] is True
+    d = bytearray(1)
+    assert c.get_into([b"f"], [d]) == [Status.OK] and d == b"1"
+
+
+def test_a_restarted_server_is_used_again_with_fresh_values(transport, memkv_server_factory):
+    """A server killed and started again on its address: the client finds it once its backoff
+    ends (over RDMA with a new handshake and endpoint), misses what the old one held, and
+    stores and reads byte-exact again."""
+    first = memkv_server_factory(memory="64M", lanes=2)
+    c = client_for(first, transport=transport, op_timeout_s=3.0, connect_timeout_s=0.5)
+    v = rand_bytes(3 << 20, 1)
+    assert c.put([b"before"], [v]) == [Status.OK]
+    first.kill()
+    assert c.exists([b"before"])[0] in (Status.REFUSED, Status.UNAVAILABLE)
+    memkv_server_factory(memory="64M", lanes=2, listen=first.address)
+    deadline = time.monotonic() + 15
+    while (st := c.exists([b"before"])) != [Status.NOT_FOUND]:
+        assert st[0] in (Status.REFUSED, Status.UNAVAILABLE), st
+        assert time.monotonic() < deadline, "the restarted server was never used"
+        time.sleep(0.05)
+    w = rand_bytes(5 << 20, 2)
+    assert c.put([b"after"], [w]) == [Status.OK]
+    d = np.zeros(5 << 20, np.uint8)
+    assert c.get_into([b"after"], [d]) == [Status.OK] and np.array_equal(d, w)
 
 
 # --- honest outcomes, true deadlines (a server that trickles, refuses, or is not memkv) ---------

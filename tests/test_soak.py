@@ -2,8 +2,9 @@
 --memory plus a stated overhead, attacked for SOAK_SECS (default 45) by peers without the key
 (silent sockets, oversized bodies before auth, garbage) and by peers with it (slow readers and
 writers, repeated keys, overwrite and lease floods, tiny values under long keys), while
-self-verifying clients read and write, a fresh client times a PUT/GET round trip every half
-second, and a second server is stopped (SIGSTOP), resumed and killed (SIGKILL) under them.
+self-verifying clients read and write (one of them by RDMA, libfabric's tcp provider), a fresh
+client times a PUT/GET round trip every half second, and a second server is stopped (SIGSTOP),
+resumed and killed (SIGKILL) under them.
 
 It checks: the server never dies, its RSS stays within the stated bound, every round trip takes
 under a second, and no client ever reads a byte other than those it stored. All traffic is to
@@ -38,6 +39,10 @@ AS_OVERHEAD = 512 * MIB
 # Resident memory beyond the arena (--memory, pre-faulted) and the index (at most --memory):
 # the buffer budget plus code, stacks and allocator slack.
 RSS_OVERHEAD = 96 * MIB
+# The RDMA connections the attacked server allows (--max-rdma-connections) and what each may
+# cost in the libfabric provider's own buffers (about 85 MiB over tcp;ofi_rxm, docs/rdma.md).
+RDMA_ENDPOINTS = 2
+RDMA_ENDPOINT_RSS = 96 * MIB
 SOAK_SECS = float(os.environ.get("SOAK_SECS", "45"))
 
 pytestmark = pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit")
@@ -159,9 +164,11 @@ class Soak:
         s.close()
 
     # ---- clients with the key --------------------------------------------------------------------
-    def verifier(self, servers: tuple[str, ...], tag: str) -> Callable[[], None]:
+    def verifier(self, servers: tuple[str, ...], tag: str,
+                 transport: str = "tcp") -> Callable[[], None]:
         client = MemKVClient(MemKVConfig(servers=servers, auth_key=bytes.fromhex(KEY),
-                                         op_timeout_s=1.0))
+                                         op_timeout_s=1.0, transport=transport,
+                                         rdma_devices=("lo",) if transport == "rdma" else ()))
         stored: dict[bytes, tuple[int, int]] = {}  # key -> (version, size) acknowledged
 
         def step() -> None:
@@ -227,14 +234,19 @@ class Soak:
         return ("127.0.0.1", self.srv.port)
 
 
-def test_soak_and_attack(memkv_server_factory):
+def test_soak_and_attack(memkv_server_factory, monkeypatch):
     as_limit = 2 * MEMORY + AS_OVERHEAD
+    # Both servers serve RDMA too (libfabric's tcp provider on loopback): one verifier moves its
+    # values by RDMA through the same attacks, stops and kills.
+    monkeypatch.setenv("MEMKV_RDMA_PROVIDER", "tcp")
+    rdma = ["--rdma", "--rdma-devices", "lo"]
     srv = memkv_server_factory(
         memory=f"{MEMORY >> 20}M", lanes=2, auth_key=KEY,
         wrapper=["prlimit", f"--as={as_limit}"],
         extra=["--max-connections", "48", "--handshake-timeout", "1", "--frame-timeout", "2",
-               "--min-rate", "1M", "--max-buffer-memory", f"{BUDGET >> 20}M"])
-    other = memkv_server_factory(memory="32M", lanes=1, auth_key=KEY)
+               "--min-rate", "1M", "--max-buffer-memory", f"{BUDGET >> 20}M", *rdma,
+               "--max-rdma-connections", str(RDMA_ENDPOINTS)])
+    other = memkv_server_factory(memory="32M", lanes=1, auth_key=KEY, extra=rdma)
     c = MemKVClient(MemKVConfig(servers=(srv.address,), auth_key=bytes.fromhex(KEY)))
     assert c.put([b"big"], [b"B" * 4 * MIB]) == [Status.OK]
     soak = Soak(srv, other)
@@ -245,6 +257,7 @@ def test_soak_and_attack(memkv_server_factory):
         "floods": soak.overwrite_and_lease_flood, "tiny": soak.tiny_values,
         "verify_a": soak.verifier((srv.address,), "a"),
         "verify_ab": soak.verifier((srv.address, other.address), "ab"),
+        "verify_rdma": soak.verifier((srv.address, other.address), "rdma", "rdma"),
         "probe": soak.prober, "rss": soak.sampler, "stopper": soak.stopper,
     }
     threads = [threading.Thread(target=soak.guarded(n, f), name=n) for n, f in jobs.items()]
@@ -256,7 +269,7 @@ def test_soak_and_attack(memkv_server_factory):
     assert not [t.name for t in threads if t.is_alive()], "a soak thread did not end"
     assert srv.alive(), srv.log()[-2000:]
     stats = srv.stats()
-    bound = 2 * MEMORY + BUDGET + RSS_OVERHEAD
+    bound = 2 * MEMORY + BUDGET + RSS_OVERHEAD + RDMA_ENDPOINTS * RDMA_ENDPOINT_RSS
     print(f"\nsoak {SOAK_SECS:.0f}s: peak RSS {soak.peak_rss / MIB:.0f} MiB "
           f"(bound {bound / MIB:.0f} MiB), peak address space {soak.peak_vm / MIB:.0f} MiB "
           f"(limit {as_limit / MIB:.0f} MiB); round trips "

@@ -104,8 +104,9 @@ pub struct RdmaArgs {
     /// libfabric provider: verbs, efa, tcp, ... [default: the first libfabric offers].
     #[arg(long, env = "MEMKV_RDMA_PROVIDER", hide_env_values = true)]
     pub rdma_provider: Option<String>,
-    /// libfabric domains to use, comma-separated (NICs such as mlx5_0; for the tcp provider,
-    /// interfaces such as lo) [default: the first the provider offers].
+    /// libfabric domains to use, comma-separated (NICs such as mlx5_0, efa's rdmap0s31 or its
+    /// domain rdmap0s31-rdm; for the tcp provider, interfaces such as lo) [default: the first
+    /// the provider offers].
     #[arg(
         long,
         env = "MEMKV_RDMA_DEVICES",
@@ -113,6 +114,11 @@ pub struct RdmaArgs {
         value_delimiter = ','
     )]
     pub rdma_devices: Vec<String>,
+    /// Connections that may use the RDMA data path at once; later ones are refused it (their
+    /// values go over TCP, or they fail with transport rdma). Each costs the libfabric
+    /// provider's own buffers outside --memory (about 85 MiB with tcp;ofi_rxm).
+    #[arg(long, default_value_t = memkv_server::rdma::DEFAULT_MAX_ENDPOINTS)]
+    pub max_rdma_connections: usize,
 }
 
 impl RdmaArgs {
@@ -121,6 +127,7 @@ impl RdmaArgs {
         self.rdma.then(|| memkv_server::rdma::RdmaConfig {
             provider: self.rdma_provider.clone(),
             domains: self.rdma_devices.clone(),
+            max_endpoints: self.max_rdma_connections,
         })
     }
 }

@@ -13,6 +13,7 @@ fn rdma_cfg() -> RdmaConfig {
     RdmaConfig {
         provider: Some("tcp".into()),
         domains: vec!["lo".into()],
+        ..RdmaConfig::default()
     }
 }
 

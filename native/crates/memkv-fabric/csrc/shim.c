@@ -44,8 +44,12 @@ struct mk_api {
 
 /* `hmem`: also ask for device memory (FI_HMEM; FI_MR_HMEM: such memory is registered, which
  * memkv does for every buffer anyway). A provider without it then lists nothing: the caller asks
- * again without. */
-int mk_getinfo(const struct mk_api *api, const char *prov_name, int hmem, struct fi_info **out)
+ * again without. `op_flags` and `msg_order` are the transmit attributes asked for: the completion
+ * semantics of the server's writes (FI_DELIVERY_COMPLETE, or read-after-write ordering for the
+ * fallback fence; see write_completion in lib.rs). They stay in the returned entries, so an
+ * endpoint opened on one of them gets them as its defaults. */
+int mk_getinfo(const struct mk_api *api, const char *prov_name, int hmem, uint64_t op_flags,
+	       uint64_t msg_order, struct fi_info **out)
 {
 	struct fi_info *hints = api->dupinfo(NULL);
 	int ret;
@@ -57,11 +61,8 @@ int mk_getinfo(const struct mk_api *api, const char *prov_name, int hmem, struct
 	hints->ep_attr->type = FI_EP_RDM;
 	hints->domain_attr->mr_mode = MK_MR_MODES | (hmem ? FI_MR_HMEM : 0);
 	hints->domain_attr->threading = FI_THREAD_SAFE;
-	/* A write completes only once the bytes are in the target's memory, not when they left
-	 * ours: the server replies to a GET after its writes complete, on another connection, so
-	 * the client must never see that reply before the bytes. Reads complete with the bytes
-	 * here anyway. */
-	hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+	hints->tx_attr->op_flags = op_flags;
+	hints->tx_attr->msg_order = msg_order;
 	if (prov_name) {
 		hints->fabric_attr->prov_name = strdup(prov_name);
 		if (!hints->fabric_attr->prov_name) {
@@ -229,6 +230,8 @@ uint64_t mk_mr_local(void) { return FI_MR_LOCAL; }
 uint64_t mk_cap_hmem(void) { return FI_HMEM; }
 int mk_hmem_system(void) { return FI_HMEM_SYSTEM; }
 int mk_hmem_cuda(void) { return FI_HMEM_CUDA; }
+uint64_t mk_op_delivery_complete(void) { return FI_DELIVERY_COMPLETE; }
+uint64_t mk_order_raw(void) { return FI_ORDER_RAW; }
 size_t mk_context_size(void) { return sizeof(struct fi_context2); }
 
 /* One RDMA write (local to remote) or read (remote into local). */

@@ -24,14 +24,26 @@ pub use memory::Memory;
 pub use mr::{Mr, MrCache};
 use sys::{FiInfo, Fid, Lib};
 
-/// A libfabric call that failed: which call, libfabric's error code (positive) and its text.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{op}: {msg} ({code})")]
+/// A libfabric call that failed: which call, libfabric's error code (positive; 0 for a failure
+/// of memkv's own, such as a library that cannot be loaded) and its text.
+#[derive(Debug, Clone)]
 pub struct FabricError {
     pub op: &'static str,
     pub code: i32,
     pub msg: String,
 }
+
+impl std::fmt::Display for FabricError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.op, self.msg)?;
+        if self.code != 0 {
+            write!(f, " ({})", self.code)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for FabricError {}
 
 impl FabricError {
     fn new(op: &'static str, code: i32) -> FabricError {
@@ -65,6 +77,60 @@ pub fn probe() -> std::result::Result<String, String> {
     Ok(format!("{}.{}", l.version >> 16, l.version & 0xffff))
 }
 
+/// How the server knows a GET's bytes are in the client's memory before it replies (on the TCP
+/// connection, which may overtake the fabric): docs/rdma.md, "Completion semantics".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteCompletion {
+    /// The provider completes a write only once its bytes are in the target's memory
+    /// (`FI_DELIVERY_COMPLETE`, asked for and honoured).
+    Delivery,
+    /// A completed write was acknowledged by the target's NIC, which does not prove its bytes
+    /// reached memory; a read of the written memory, ordered after the write
+    /// (`FI_ORDER_RAW`) and issued once it completed, is answered only from memory that holds
+    /// them. `Endpoint::run` ends every written group with such a one-byte read.
+    ReadFence,
+}
+
+impl WriteCompletion {
+    /// How `memkv net selftest` and the logs say it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            WriteCompletion::Delivery => "delivery-complete writes",
+            WriteCompletion::ReadFence => "writes fenced by a read",
+        }
+    }
+}
+
+/// Core providers that accept `FI_DELIVERY_COMPLETE` without honouring it for RDMA writes:
+/// `ofi_rxm` advertises it and passes it down to verbs, whose write still completes on the
+/// responder's acknowledgement (libfabric 1.17 to 2.x).
+const DELIVERY_NOT_HONOURED: [&str; 1] = ["verbs"];
+
+/// The write completion a provider (`tcp;ofi_rxm`, `verbs;ofi_rxm`, `efa`) gives, from what
+/// fi_getinfo accepted for it: delivery-complete writes (`delivery`) and read-after-write
+/// ordering (`read_after_write`). None: neither guarantee, so the provider cannot serve GETs.
+pub fn write_completion(
+    provider: &str,
+    delivery: bool,
+    read_after_write: bool,
+) -> Option<WriteCompletion> {
+    let core = provider.split(';').next().unwrap_or(provider);
+    if delivery && !DELIVERY_NOT_HONOURED.contains(&core) {
+        Some(WriteCompletion::Delivery)
+    } else if read_after_write {
+        Some(WriteCompletion::ReadFence)
+    } else {
+        None
+    }
+}
+
+/// Whether the provider's domain `dom` is among `wanted` (all when empty): by its own name, or by
+/// its device's (`rdmap0s31` for efa's `rdmap0s31-rdm`), as sysfs and `memkv net topo` name NICs.
+fn domain_wanted(wanted: &[String], dom: &str) -> bool {
+    let dev = memkv_topo::device_of_domain(dom);
+    wanted.is_empty() || wanted.iter().any(|w| w == dom || w == dev)
+}
+
 /// One provider's fabric and domain, shared by its endpoints and registrations (which keep it
 /// open). Thread-safe: the domain is opened with FI_THREAD_SAFE.
 pub struct Fabric {
@@ -75,8 +141,11 @@ pub struct Fabric {
     fabric: Fid,
     domain: Fid,
     pub provider: String,
-    /// The provider's domain: the NIC (`mlx5_0`, `rdmap0s6`) or, for tcp, the interface (`lo`).
+    /// The provider's domain: the NIC (`mlx5_0`, `rdmap0s6-rdm`) or, for tcp, the interface
+    /// (`lo`).
     pub domain_name: String,
+    /// How a completed write proves its bytes are in the target's memory.
+    pub write_completion: WriteCompletion,
     /// Remote addresses are virtual addresses (else offsets into the registration).
     virt_addr: bool,
     /// The provider picks registration keys (else we do, unique per domain).
@@ -107,7 +176,8 @@ const MAX_PIECE: usize = 4 << 20;
 impl Fabric {
     /// Opens the first fabric of `provider` (any when None) whose domain is in `domains` (any
     /// when empty) that offers RDMA reads and writes on reliable-datagram endpoints, for host
-    /// memory.
+    /// memory, with the best write completion it gives (`write_completion`): delivery-complete
+    /// writes where the provider honours them, else writes fenced by a read.
     pub fn open(provider: Option<&str>, domains: &[String]) -> Result<Arc<Fabric>> {
         Fabric::open_for(provider, domains, false)
     }
@@ -121,119 +191,77 @@ impl Fabric {
         device_memory: bool,
     ) -> Result<Arc<Fabric>> {
         let lib = Lib::get().map_err(|e| FabricError::other("dlopen", e))?;
-        let prov = provider
-            .map(CString::new)
-            .transpose()
-            .map_err(|_| FabricError::other("fi_getinfo", "provider name contains NUL"))?;
         let not_asked = "GPU memory was not asked for (FI_HMEM)".to_string();
         if device_memory {
-            match Fabric::open_with(lib, prov.as_deref(), domains, true) {
+            match Fabric::open_with(lib, provider, domains, true) {
                 Ok(f) => return Ok(f),
                 Err(e) => {
                     let why = format!(
                         "provider {} offers no domain that registers GPU memory (FI_HMEM): {e}",
                         provider.unwrap_or("(any)")
                     );
-                    return Fabric::open_with(lib, prov.as_deref(), domains, false).map(|mut f| {
+                    return Fabric::open_with(lib, provider, domains, false).map(|mut f| {
                         Arc::get_mut(&mut f).expect("not shared yet").device_memory = Err(why);
                         f
                     });
                 }
             }
         }
-        Fabric::open_with(lib, prov.as_deref(), domains, false).map(|mut f| {
+        Fabric::open_with(lib, provider, domains, false).map(|mut f| {
             Arc::get_mut(&mut f).expect("not shared yet").device_memory = Err(not_asked);
             f
         })
     }
 
+    /// The domain `open_for` opens, with (`hmem`) or without device memory.
     fn open_with(
         lib: &'static Lib,
-        prov: Option<&std::ffi::CStr>,
+        provider: Option<&str>,
         domains: &[String],
         hmem: bool,
     ) -> Result<Arc<Fabric>> {
-        let mut infos: *mut FiInfo = std::ptr::null_mut();
-        // SAFETY: `lib.api` holds libfabric's functions; the hints are built inside the shim.
-        let r = unsafe {
-            sys::mk_getinfo(
-                &lib.api,
-                prov.map_or(std::ptr::null(), |p| p.as_ptr()),
-                c_int::from(hmem),
-                &mut infos,
-            )
-        };
-        if r != 0 {
-            return Err(FabricError::new("fi_getinfo", r));
-        }
-        let mut seen = Vec::new();
-        let mut info = infos;
-        while !info.is_null() {
-            // SAFETY: `info` is an entry of the list fi_getinfo returned.
-            let dom = unsafe { sys::cstr(sys::mk_info_domain(info)) };
-            if domains.is_empty() || domains.contains(&dom) {
-                break;
-            }
-            seen.push(dom);
-            // SAFETY: as above.
-            info = unsafe { sys::mk_info_next(info) };
-        }
-        if info.is_null() {
-            // SAFETY: the list came from fi_getinfo and nothing refers to it any more.
-            unsafe { (lib.api.freeinfo)(infos) };
-            return Err(FabricError::other(
+        // SAFETY: constants.
+        let (dc, raw) = unsafe { (sys::mk_op_delivery_complete(), sys::mk_order_raw()) };
+        let delivery = Found::get(lib, provider, hmem, dc, 0, domains);
+        // The fallback stays on the provider found first (which may have been "any").
+        let named = delivery.as_ref().ok().map(Found::provider);
+        let ordered = Found::get(lib, named.as_deref().or(provider), hmem, 0, raw, domains);
+        let name = named
+            .or_else(|| ordered.as_ref().ok().map(Found::provider))
+            .unwrap_or_default();
+        match (
+            write_completion(&name, delivery.is_ok(), ordered.is_ok()),
+            delivery,
+            ordered,
+        ) {
+            (Some(WriteCompletion::Delivery), Ok(f), _) => f.open(WriteCompletion::Delivery),
+            (Some(WriteCompletion::ReadFence), _, Ok(f)) => f.open(WriteCompletion::ReadFence),
+            (_, Ok(_), _) => Err(FabricError::other(
                 "fi_getinfo",
-                format!("no domain among {domains:?}; the provider offers {seen:?}"),
-            ));
-        }
-        let (mut fabric, mut domain) = (std::ptr::null_mut(), std::ptr::null_mut());
-        // SAFETY: `info` is a valid entry; the out pointers are ours.
-        let r = unsafe { sys::mk_open_domain(&lib.api, info, &mut fabric, &mut domain) };
-        if r != 0 {
-            // SAFETY: as above.
-            unsafe { (lib.api.freeinfo)(infos) };
-            return Err(FabricError::new("fi_domain", r));
-        }
-        // SAFETY: `info` stays valid until drop; the accessors only read it.
-        let f = unsafe {
-            let mr_mode = sys::mk_info_mr_mode(info);
-            Fabric {
-                lib,
-                infos,
-                info,
-                fabric,
-                domain,
-                provider: sys::cstr(sys::mk_info_prov(info)),
-                domain_name: sys::cstr(sys::mk_info_domain(info)),
-                virt_addr: mr_mode & sys::mk_mr_virt_addr() != 0,
-                prov_key: mr_mode & sys::mk_mr_prov_key() != 0,
-                depth: sys::mk_info_tx_size(info).clamp(1, MAX_DEPTH),
-                max_msg: sys::mk_info_max_msg(info).clamp(1, MAX_PIECE),
-                device_memory: cuda_reach(
-                    &format!(
-                        "provider {} on {}",
-                        sys::cstr(sys::mk_info_prov(info)),
-                        sys::cstr(sys::mk_info_domain(info))
-                    ),
-                    sys::mk_info_caps(info) & sys::mk_cap_hmem() != 0,
+                format!(
+                    "{name} accepts FI_DELIVERY_COMPLETE without honouring it for RDMA writes \
+                     and offers no read-after-write ordering to fence them"
                 ),
-                addr_str: sys::mk_info_addr_str(info) != 0,
-                next_key: AtomicU64::new(1),
-            }
-        };
-        // SAFETY: as above.
-        let key_size = unsafe { sys::mk_info_key_size(info) };
-        if key_size > 8 {
-            return Err(FabricError::other(
-                "fi_getinfo",
-                format!("provider keys are {key_size} bytes; memkv carries 8"),
-            ));
+            )),
+            // Neither way found a domain: the first answer says why (no such provider, ...).
+            (_, Err(e), _) => Err(e),
         }
-        tracing::debug!(provider = %f.provider, domain = %f.domain_name,
-            fabric = %unsafe { sys::cstr(sys::mk_info_fabric(info)) },
-            virt_addr = f.virt_addr, prov_key = f.prov_key, depth = f.depth,
-            device_memory = ?f.device_memory, "libfabric domain open");
-        Ok(Arc::new(f))
+    }
+
+    /// `open` with writes fenced by a read (`WriteCompletion::ReadFence`) whatever else the
+    /// provider offers: how the tests run the fallback over a provider that also honours
+    /// delivery completion.
+    pub fn open_with_read_fence(provider: Option<&str>, domains: &[String]) -> Result<Arc<Fabric>> {
+        let lib = Lib::get().map_err(|e| FabricError::other("dlopen", e))?;
+        // SAFETY: a constant.
+        let raw = unsafe { sys::mk_order_raw() };
+        Found::get(lib, provider, false, 0, raw, domains)?
+            .open(WriteCompletion::ReadFence)
+            .map(|mut f| {
+                let why = "GPU memory was not asked for (FI_HMEM)".to_string();
+                Arc::get_mut(&mut f).expect("not shared yet").device_memory = Err(why);
+                f
+            })
     }
 
     /// Whether `addr`, a peer's endpoint address, is one the provider can read without reading
@@ -342,6 +370,136 @@ impl Fabric {
     }
 }
 
+/// An fi_getinfo answer (freed on drop unless a `Fabric` takes it) and its entry on a wanted
+/// domain.
+struct Found {
+    lib: &'static Lib,
+    infos: *mut FiInfo,
+    info: *mut FiInfo,
+}
+
+impl Found {
+    /// Asks for RDM endpoints with RDMA reads and writes from `provider` with the transmit
+    /// `op_flags` and `msg_order` given, and picks the first entry on one of `domains`.
+    fn get(
+        lib: &'static Lib,
+        provider: Option<&str>,
+        hmem: bool,
+        op_flags: u64,
+        msg_order: u64,
+        domains: &[String],
+    ) -> Result<Found> {
+        let prov = provider
+            .map(CString::new)
+            .transpose()
+            .map_err(|_| FabricError::other("fi_getinfo", "provider name contains NUL"))?;
+        let mut infos: *mut FiInfo = std::ptr::null_mut();
+        // SAFETY: `lib.api` holds libfabric's functions; the hints are built inside the shim.
+        let r = unsafe {
+            sys::mk_getinfo(
+                &lib.api,
+                prov.as_ref().map_or(std::ptr::null(), |p| p.as_ptr()),
+                c_int::from(hmem),
+                op_flags,
+                msg_order,
+                &mut infos,
+            )
+        };
+        if r != 0 {
+            return Err(FabricError::new("fi_getinfo", r));
+        }
+        let mut found = Found {
+            lib,
+            infos,
+            info: infos,
+        };
+        let mut seen = Vec::new();
+        while !found.info.is_null() {
+            // SAFETY: `info` is an entry of the list fi_getinfo returned.
+            let dom = unsafe { sys::cstr(sys::mk_info_domain(found.info)) };
+            if domain_wanted(domains, &dom) {
+                return Ok(found);
+            }
+            seen.push(dom);
+            // SAFETY: as above.
+            found.info = unsafe { sys::mk_info_next(found.info) };
+        }
+        Err(FabricError::other(
+            "fi_getinfo",
+            format!("no domain among {domains:?}; the provider offers {seen:?}"),
+        ))
+    }
+
+    fn provider(&self) -> String {
+        // SAFETY: `info` is a valid entry while `self` lives.
+        unsafe { sys::cstr(sys::mk_info_prov(self.info)) }
+    }
+
+    /// Opens the fabric and domain of the entry found; the `Fabric` takes the list.
+    fn open(mut self, write_completion: WriteCompletion) -> Result<Arc<Fabric>> {
+        let (lib, info) = (self.lib, self.info);
+        let (mut fabric, mut domain) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: `info` is a valid entry; the out pointers are ours.
+        let r = unsafe { sys::mk_open_domain(&lib.api, info, &mut fabric, &mut domain) };
+        if r != 0 {
+            return Err(FabricError::new("fi_domain", r));
+        }
+        let infos = std::mem::replace(&mut self.infos, std::ptr::null_mut());
+        // SAFETY: `info` stays valid until the Fabric drops the list; the accessors only read.
+        let f = unsafe {
+            let mr_mode = sys::mk_info_mr_mode(info);
+            Fabric {
+                lib,
+                infos,
+                info,
+                fabric,
+                domain,
+                provider: sys::cstr(sys::mk_info_prov(info)),
+                domain_name: sys::cstr(sys::mk_info_domain(info)),
+                write_completion,
+                virt_addr: mr_mode & sys::mk_mr_virt_addr() != 0,
+                prov_key: mr_mode & sys::mk_mr_prov_key() != 0,
+                depth: sys::mk_info_tx_size(info).clamp(1, MAX_DEPTH),
+                max_msg: sys::mk_info_max_msg(info).clamp(1, MAX_PIECE),
+                device_memory: cuda_reach(
+                    lib,
+                    &format!(
+                        "provider {} on {}",
+                        sys::cstr(sys::mk_info_prov(info)),
+                        sys::cstr(sys::mk_info_domain(info))
+                    ),
+                    sys::mk_info_caps(info) & sys::mk_cap_hmem() != 0,
+                ),
+                addr_str: sys::mk_info_addr_str(info) != 0,
+                next_key: AtomicU64::new(1),
+            }
+        };
+        // SAFETY: as above.
+        let key_size = unsafe { sys::mk_info_key_size(info) };
+        if key_size > 8 {
+            return Err(FabricError::other(
+                "fi_getinfo",
+                format!("provider keys are {key_size} bytes; memkv carries 8"),
+            ));
+        }
+        tracing::debug!(provider = %f.provider, domain = %f.domain_name,
+            fabric = %unsafe { sys::cstr(sys::mk_info_fabric(info)) },
+            write_completion = ?f.write_completion, virt_addr = f.virt_addr,
+            prov_key = f.prov_key, depth = f.depth, device_memory = ?f.device_memory,
+            "libfabric domain open");
+        Ok(Arc::new(f))
+    }
+}
+
+impl Drop for Found {
+    fn drop(&mut self) {
+        if !self.infos.is_null() {
+            // SAFETY: the list came from fi_getinfo and nothing refers to it any more.
+            unsafe { (self.lib.api.freeinfo)(self.infos) };
+        }
+    }
+}
+
 impl Drop for Fabric {
     fn drop(&mut self) {
         // SAFETY: every endpoint and registration holds an Arc, so none is left; close in
@@ -361,11 +519,11 @@ impl Drop for Fabric {
 /// then defines its `FI_HMEM_CUDA_ENABLE_XFER` parameter) and started: libfabric loads the CUDA
 /// runtime by the name `libcudart.so` when it initialises, and unloads it when no device
 /// answers.
-fn cuda_reach(what: &str, hmem: bool) -> std::result::Result<String, String> {
+fn cuda_reach(lib: &Lib, what: &str, hmem: bool) -> std::result::Result<String, String> {
     if !hmem {
         return Err(format!("{what} registers host memory only (no FI_HMEM)"));
     }
-    if !libfabric_has_param("FI_HMEM_CUDA_ENABLE_XFER") {
+    if !libfabric_has_param(lib, "FI_HMEM_CUDA_ENABLE_XFER") {
         return Err(format!(
             "{what} offers FI_HMEM but this libfabric is built without CUDA support"
         ));
@@ -388,7 +546,7 @@ fn cuda_reach(what: &str, hmem: bool) -> std::result::Result<String, String> {
 
 /// Whether the loaded libfabric defines the parameter `name` (`fi_getparams` lists them by
 /// their environment variables' names).
-fn libfabric_has_param(name: &str) -> bool {
+fn libfabric_has_param(lib: &Lib, name: &str) -> bool {
     #[repr(C)]
     struct FiParam {
         name: *const std::ffi::c_char,
@@ -398,19 +556,12 @@ fn libfabric_has_param(name: &str) -> bool {
     }
     type GetParams = unsafe extern "C" fn(*mut *mut FiParam, *mut c_int) -> c_int;
     type FreeParams = unsafe extern "C" fn(*mut FiParam);
-    // SAFETY: the library is the one `Lib` loaded (RTLD_NOLOAD takes a reference by its
-    // soname); both functions have the C signatures of fabric.h's fi_getparams and
+    // SAFETY: both functions have the C signatures of fabric.h's fi_getparams and
     // fi_freeparams, and `struct fi_param` is four pointer-sized fields.
     unsafe {
-        let Ok(lib) = libloading::os::unix::Library::open(
-            Some(sys::LIBFABRIC),
-            libc::RTLD_NOW | libc::RTLD_NOLOAD,
-        ) else {
-            return false;
-        };
-        let (Ok(get), Ok(free)) = (
-            lib.get::<GetParams>(b"fi_getparams\0"),
-            lib.get::<FreeParams>(b"fi_freeparams\0"),
+        let (Some(get), Some(free)) = (
+            lib.optional::<GetParams>(b"fi_getparams\0"),
+            lib.optional::<FreeParams>(b"fi_freeparams\0"),
         ) else {
             return false;
         };
@@ -452,6 +603,43 @@ pub struct Endpoint {
     contexts: Box<[u64]>,
     ctx_words: usize,
     closed: bool,
+    /// Where the fencing reads land, under `WriteCompletion::ReadFence`.
+    fence: Option<FenceTarget>,
+}
+
+/// Bytes the fencing reads of `WriteCompletion::ReadFence` land in and nobody reads, registered
+/// once per endpoint (the registration drops before the memory).
+struct FenceTarget {
+    mr: Mr,
+    _mem: Box<[u8]>,
+}
+
+/// Bytes of a `FenceTarget`: concurrent fencing reads mostly land in different bytes, though
+/// nothing depends on it.
+const FENCE_BYTES: usize = 64;
+
+/// The reads that prove a batch's writes are in the target's memory (`ReadFence`): per group
+/// with writes and no error, one byte read back from the end of its last write, landing in
+/// `[base, base + FENCE_BYTES)` (registered, `desc`).
+fn fence_reads(ops: &[Rma], errors: &[Option<FabricError>], base: usize, desc: usize) -> Vec<Rma> {
+    let mut last: Vec<Option<&Rma>> = vec![None; errors.len()];
+    for op in ops.iter().filter(|op| op.write && op.len > 0) {
+        last[op.group] = Some(op);
+    }
+    last.iter()
+        .zip(errors)
+        .filter_map(|(op, e)| if e.is_none() { *op } else { None })
+        .enumerate()
+        .map(|(i, op)| Rma {
+            write: false,
+            local: base + i % FENCE_BYTES,
+            desc,
+            len: 1,
+            remote_addr: op.remote_addr.wrapping_add(op.len as u64 - 1),
+            rkey: op.rkey,
+            group: op.group,
+        })
+        .collect()
 }
 
 // SAFETY: an endpoint is used by one thread at a time (`&mut self`); the domain is thread-safe.
@@ -473,7 +661,7 @@ impl Endpoint {
         }
         // SAFETY: a constant.
         let ctx_words = unsafe { sys::mk_context_size() }.div_ceil(8);
-        Ok(Endpoint {
+        let mut e = Endpoint {
             fab: fab.clone(),
             ep,
             cq,
@@ -482,7 +670,15 @@ impl Endpoint {
             contexts: vec![0u64; ctx_words * fab.depth].into_boxed_slice(),
             ctx_words,
             closed: false,
-        })
+            fence: None,
+        };
+        if fab.write_completion == WriteCompletion::ReadFence {
+            let mem = vec![0u8; FENCE_BYTES].into_boxed_slice();
+            // SAFETY: the memory lives in the FenceTarget, which drops the registration first.
+            let mr = unsafe { fab.register(mem.as_ptr() as usize, mem.len(), false) }?;
+            e.fence = Some(FenceTarget { mr, _mem: mem });
+        }
+        Ok(e)
     }
 
     pub fn fabric(&self) -> &Arc<Fabric> {
@@ -554,9 +750,10 @@ impl Endpoint {
 
     /// Runs `ops` against `peer`, at most `depth` in flight, until all completed or `deadline`.
     /// Returns, per group (index = `group`, `groups` entries), None or the group's first error;
-    /// an operation of a failed group that is not yet posted is skipped. A deadline miss or a
-    /// broken completion queue closes the endpoint first (no operation of it can touch memory
-    /// afterwards), so the caller may then release the memory the operations named.
+    /// an operation of a failed group that is not yet posted is skipped. A group's writes have
+    /// their bytes in the peer's memory when it reports no error (`WriteCompletion`). A deadline
+    /// miss or a broken completion queue closes the endpoint first (no operation of it can
+    /// touch memory afterwards), so the caller may then release the memory the operations named.
     pub fn run(
         &mut self,
         peer: u64,
@@ -564,11 +761,32 @@ impl Endpoint {
         groups: usize,
         deadline: Instant,
     ) -> Result<Vec<Option<FabricError>>> {
+        let mut errors: Vec<Option<FabricError>> = vec![None; groups];
+        self.run_batch(peer, ops, &mut errors, deadline)?;
+        // Posted only now that the writes completed, so each read follows its group's writes.
+        let fences = self
+            .fence
+            .as_ref()
+            .map(|f| fence_reads(ops, &errors, f.mr.base, f.mr.desc()))
+            .unwrap_or_default();
+        if !fences.is_empty() {
+            self.run_batch(peer, &fences, &mut errors, deadline)?;
+        }
+        Ok(errors)
+    }
+
+    /// `run`'s loop: posts `ops`, records each group's first error in `errors`.
+    fn run_batch(
+        &mut self,
+        peer: u64,
+        ops: &[Rma],
+        errors: &mut [Option<FabricError>],
+        deadline: Instant,
+    ) -> Result<()> {
         if self.closed {
             return Err(FabricError::other("fi_read/fi_write", "endpoint closed"));
         }
         let depth = self.fab.depth;
-        let mut errors: Vec<Option<FabricError>> = vec![None; groups];
         let mut slot_group = vec![usize::MAX; depth];
         let mut free: Vec<usize> = (0..depth).rev().collect();
         let (mut next, mut inflight) = (0, 0usize);
@@ -618,7 +836,7 @@ impl Endpoint {
                 next += 1;
             }
             if next == ops.len() && inflight == 0 {
-                return Ok(errors);
+                return Ok(());
             }
             let mut done = [std::ptr::null_mut(); 16];
             let (mut ectx, mut err, mut perr) = (std::ptr::null_mut(), 0, 0);
@@ -705,5 +923,94 @@ impl Endpoint {
 impl Drop for Endpoint {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_are_fenced_where_delivery_completion_is_missing_or_hollow() {
+        use WriteCompletion::{Delivery, ReadFence};
+        // Providers other than verbs are taken at their word (tcp and efa, read in their
+        // sources, deliver before they complete).
+        for p in ["tcp;ofi_rxm", "sockets", "shm", "efa"] {
+            assert_eq!(write_completion(p, true, true), Some(Delivery), "{p}");
+            assert_eq!(write_completion(p, true, false), Some(Delivery), "{p}");
+        }
+        // rxm accepts it over verbs, whose writes still complete on the acknowledgement.
+        assert_eq!(
+            write_completion("verbs;ofi_rxm", true, true),
+            Some(ReadFence)
+        );
+        assert_eq!(
+            write_completion("verbs;ofi_rxd", true, true),
+            Some(ReadFence)
+        );
+        assert_eq!(write_completion("verbs;ofi_rxm", true, false), None);
+        // A provider without it: the fence where reads are ordered after writes, else nothing.
+        assert_eq!(write_completion("efa", false, true), Some(ReadFence));
+        assert_eq!(write_completion("efa", false, false), None);
+    }
+
+    #[test]
+    fn a_fence_reads_the_last_byte_of_each_written_groups_last_write() {
+        let op = |write, group, remote_addr, len| Rma {
+            write,
+            local: 0,
+            desc: 0,
+            len,
+            remote_addr,
+            rkey: 10 + group as u64,
+            group,
+        };
+        // Group 0: two pieces; group 1: failed; group 2: a read (a PUT's); group 3: one write.
+        let ops = [
+            op(true, 0, 1000, 4),
+            op(true, 0, 1004, 6),
+            op(true, 1, 5000, 8),
+            op(false, 2, 7000, 8),
+            op(true, 3, 9000, 1),
+        ];
+        let errors = [None, Some(FabricError::other("x", "failed")), None, None];
+        let f = fence_reads(&ops, &errors, 0x100, 77);
+        let got: Vec<_> = f
+            .iter()
+            .map(|r| {
+                (
+                    r.write,
+                    r.group,
+                    r.remote_addr,
+                    r.rkey,
+                    r.len,
+                    r.local,
+                    r.desc,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (false, 0, 1009, 10, 1, 0x100, 77),
+                (false, 3, 9000, 13, 1, 0x101, 77)
+            ]
+        );
+        assert!(fence_reads(&ops[3..4], &[None, None, None], 0, 0).is_empty());
+    }
+
+    #[test]
+    fn devices_are_named_as_sysfs_or_as_the_provider_names_their_domain() {
+        let want = |w: &[&str], dom: &str| {
+            domain_wanted(&w.iter().map(|s| s.to_string()).collect::<Vec<_>>(), dom)
+        };
+        assert!(want(&[], "anything"));
+        assert!(want(&["rdmap0s31"], "rdmap0s31-rdm"));
+        assert!(want(&["rdmap0s31-rdm"], "rdmap0s31-rdm"));
+        assert!(want(&["efa_0"], "efa_0-rdm"));
+        assert!(want(&["mlx5_1", "mlx5_0"], "mlx5_0"));
+        assert!(!want(&["rdmap0s31"], "rdmap0s32-rdm"));
+        assert!(!want(&["mlx5_0"], "mlx5_01"));
+        assert!(!want(&["lo"], "eth0"));
     }
 }

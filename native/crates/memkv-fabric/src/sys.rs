@@ -40,27 +40,49 @@ pub struct Lib {
     strerror: unsafe extern "C" fn(c_int) -> *const c_char,
     pub version: u32,
     /// Keeps the library mapped for as long as the process runs.
-    _lib: libloading::Library,
+    lib: libloading::Library,
 }
 
 /// The library file: the ABI-1 soname every distribution ships.
 pub const LIBFABRIC: &str = "libfabric.so.1";
+
+/// The variable naming the libfabric to load instead of the dynamic linker's `libfabric.so.1`:
+/// AWS EFA hosts carry their own build under /opt/amazon/efa/lib64 beside the distribution's.
+pub const LIBFABRIC_VAR: &str = "MEMKV_LIBFABRIC";
+
+/// Which libfabric to load: `MEMKV_LIBFABRIC` when set and not empty (a path, or a name the
+/// dynamic linker resolves), else the soname.
+fn library_name(var: Option<std::ffi::OsString>) -> std::ffi::OsString {
+    var.filter(|v| !v.is_empty())
+        .unwrap_or_else(|| LIBFABRIC.into())
+}
 
 impl Lib {
     /// libfabric, loaded once per process at the first call; the error (library missing, or
     /// without a function we need) is returned to every caller.
     pub fn get() -> Result<&'static Lib, String> {
         static LIB: OnceLock<Result<Lib, String>> = OnceLock::new();
-        LIB.get_or_init(Lib::load).as_ref().map_err(Clone::clone)
+        LIB.get_or_init(|| Lib::load(&library_name(std::env::var_os(LIBFABRIC_VAR))))
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
-    fn load() -> Result<Lib, String> {
+    fn load(name: &std::ffi::OsStr) -> Result<Lib, String> {
+        let shown = name.to_string_lossy();
         // SAFETY: loading libfabric runs its constructors, which only initialise the library.
-        let lib = unsafe { libloading::Library::new(LIBFABRIC) }
-            .map_err(|e| format!("cannot load {LIBFABRIC} (install libfabric1): {e}"))?;
+        let lib = unsafe { libloading::Library::new(name) }.map_err(|e| {
+            if shown == LIBFABRIC {
+                format!(
+                    "cannot load {LIBFABRIC} (install libfabric1, or set {LIBFABRIC_VAR} to \
+                     the library's path): {e}"
+                )
+            } else {
+                format!("cannot load libfabric from {LIBFABRIC_VAR}={shown}: {e}")
+            }
+        })?;
         // SAFETY: each symbol is looked up with the C signature the libfabric 1.x ABI gives it.
         unsafe {
-            let sym = |name: &str| format!("{LIBFABRIC} has no {name}");
+            let sym = |sym: &str| format!("{shown} is not libfabric 1.x: it has no {sym}");
             let version: libloading::Symbol<unsafe extern "C" fn() -> u32> =
                 lib.get(b"fi_version\0").map_err(|_| sym("fi_version"))?;
             let api = Api {
@@ -75,9 +97,17 @@ impl Lib {
                 api,
                 strerror,
                 version,
-                _lib: lib,
+                lib,
             })
         }
+    }
+
+    /// A function of this library that only some uses need, looked up when asked.
+    ///
+    /// # Safety
+    /// `T` must be the C signature the libfabric 1.x ABI gives `name` (NUL-terminated).
+    pub unsafe fn optional<T>(&self, name: &[u8]) -> Option<libloading::Symbol<'_, T>> {
+        self.lib.get(name).ok()
     }
 
     /// libfabric's text for an error code (positive or negative).
@@ -106,6 +136,8 @@ extern "C" {
         api: *const Api,
         prov: *const c_char,
         hmem: c_int,
+        op_flags: u64,
+        msg_order: u64,
         out: *mut *mut FiInfo,
     ) -> c_int;
     pub fn mk_info_next(info: *const FiInfo) -> *mut FiInfo;
@@ -157,6 +189,8 @@ extern "C" {
     pub fn mk_cap_hmem() -> u64;
     pub fn mk_hmem_system() -> c_int;
     pub fn mk_hmem_cuda() -> c_int;
+    pub fn mk_op_delivery_complete() -> u64;
+    pub fn mk_order_raw() -> u64;
     pub fn mk_context_size() -> usize;
     #[allow(clippy::too_many_arguments)]
     pub fn mk_rma(
@@ -181,4 +215,35 @@ extern "C" {
     pub fn mk_trywait(fabric: Fid, cq: Fid) -> c_int;
     pub fn mk_eagain() -> c_int;
     pub fn mk_eavail() -> c_int;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_variable_names_the_library_and_empty_means_the_soname() {
+        assert_eq!(library_name(None), LIBFABRIC);
+        assert_eq!(library_name(Some("".into())), LIBFABRIC);
+        assert_eq!(
+            library_name(Some("/opt/amazon/efa/lib64/libfabric.so.1".into())),
+            "/opt/amazon/efa/lib64/libfabric.so.1"
+        );
+    }
+
+    #[test]
+    fn a_library_that_is_missing_or_not_libfabric_is_a_clear_error() {
+        let e = Lib::load("/nonexistent/libfabric.so.1".as_ref())
+            .err()
+            .unwrap();
+        assert!(
+            e.starts_with(
+                "cannot load libfabric from MEMKV_LIBFABRIC=/nonexistent/libfabric.so.1: "
+            ),
+            "{e}"
+        );
+        // The C library loads but is no libfabric.
+        let e = Lib::load("libc.so.6".as_ref()).err().unwrap();
+        assert_eq!(e, "libc.so.6 is not libfabric 1.x: it has no fi_version");
+    }
 }

@@ -13,6 +13,7 @@
 //! panic (a bug) into a `RuntimeError` with a clear message instead of pyo3's `PanicException`.
 
 mod keys;
+mod testing;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -539,6 +540,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::Nothing)?.install();
     m.add_class::<PyClient>()?;
     m.add_class::<PyOp>()?;
+    m.add_class::<testing::RdmaTestPeer>()?;
     m.add_function(wrap_pyfunction!(rendezvous, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_server, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;

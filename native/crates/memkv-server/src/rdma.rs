@@ -6,6 +6,7 @@
 //! all limits are the same as without RDMA; only the values move by one-sided operations.
 
 use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use memkv_fabric::{Endpoint, Fabric, Mr};
@@ -13,18 +14,39 @@ use memkv_fabric::{Endpoint, Fabric, Mr};
 use crate::store::Store;
 
 /// Which fabric to serve RDMA on.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RdmaConfig {
     /// libfabric provider (`verbs`, `efa`, `tcp`, ...); None: the first libfabric offers.
     pub provider: Option<String>,
     /// Domains (NICs; for tcp, interfaces) allowed; empty: any.
     pub domains: Vec<String>,
+    /// Connections that may hold an RDMA endpoint at once; RDMA_HELLO beyond it is refused
+    /// (the connection carries its values over TCP, or fails for a client that insists).
+    pub max_endpoints: usize,
+}
+
+/// Default of `RdmaConfig::max_endpoints`. Every endpoint costs the provider's own buffers,
+/// outside `--memory` and the buffer budget: about 85 MiB each with libfabric 1.17's
+/// `tcp;ofi_rxm` (its rxm layer preallocates 1,024 16-KiB buffers per pool per endpoint).
+pub const DEFAULT_MAX_ENDPOINTS: usize = 16;
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        RdmaConfig {
+            provider: None,
+            domains: Vec::new(),
+            max_endpoints: DEFAULT_MAX_ENDPOINTS,
+        }
+    }
 }
 
 /// The domain and the lanes' registrations, shared by every connection.
 pub struct ServerFabric {
     pub fab: Arc<Fabric>,
     regions: Vec<Mr>,
+    /// Endpoints open now, and their bound.
+    endpoints: Arc<AtomicUsize>,
+    max_endpoints: usize,
     /// Keeps the registered memory mapped until the registrations (dropped first) are closed.
     _store: Arc<Store>,
 }
@@ -50,12 +72,29 @@ impl ServerFabric {
             .collect::<Result<Vec<_>, _>>()
             .map_err(fail)?;
         tracing::info!(provider = %fab.provider, domain = %fab.domain_name,
+            completion = fab.write_completion.describe(),
             "RDMA data path on (one-sided reads and writes of client memory)");
         Ok(ServerFabric {
             fab,
             regions,
+            endpoints: Arc::new(AtomicUsize::new(0)),
+            max_endpoints: cfg.max_endpoints,
             _store: store.clone(),
         })
+    }
+
+    /// A slot for one more endpoint, held until the guard drops; None at the bound.
+    pub(crate) fn endpoint_slot(&self) -> Option<EndpointSlot> {
+        self.endpoints
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max_endpoints).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| EndpointSlot(self.endpoints.clone()))
+    }
+
+    pub(crate) fn max_endpoints(&self) -> usize {
+        self.max_endpoints
     }
 
     /// The local descriptor of store memory `[ptr, ptr + len)`.
@@ -67,8 +106,19 @@ impl ServerFabric {
     }
 }
 
+/// One of `RdmaConfig::max_endpoints`, given back on drop.
+pub(crate) struct EndpointSlot(Arc<AtomicUsize>);
+
+impl Drop for EndpointSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// A connection's endpoint and its client's address in it.
 pub(crate) struct RdmaPeer {
     pub ep: Endpoint,
     pub peer: u64,
+    /// Dropped after the endpoint closed.
+    pub _slot: EndpointSlot,
 }

@@ -92,6 +92,23 @@ pub struct Topology {
     pub virtual_interfaces: Vec<String>,
 }
 
+/// Suffixes libfabric adds to a device's name to name its domains: the efa provider's
+/// reliable-datagram and datagram domains (`rdmap0s31-rdm`, `efa_0-dgrm`) and the verbs
+/// provider's datagram domain (`mlx5_0-dgram`, which `ofi_rxd` layers reliable datagrams over).
+const DOMAIN_SUFFIXES: [&str; 3] = ["-rdm", "-dgrm", "-dgram"];
+
+/// The device a libfabric domain is on: the name without its provider's suffix
+/// (`rdmap0s31-rdm` is on `rdmap0s31`); other domains (verbs' `mlx5_0`, tcp's `lo`) are named
+/// after their device. So `MEMKV_RDMA_DEVICES` may name a device as sysfs does or as
+/// `fi_info` does.
+pub fn device_of_domain(domain: &str) -> &str {
+    DOMAIN_SUFFIXES
+        .iter()
+        .find_map(|s| domain.strip_suffix(s))
+        .filter(|d| !d.is_empty())
+        .unwrap_or(domain)
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum TopoError {
     #[error("cannot read sysfs at {path}: {source}")]
@@ -124,13 +141,20 @@ impl Topology {
         if names.is_empty() {
             return Ok(self);
         }
+        // A name is the device's own or one of its libfabric domains (`rdmap0s31-rdm`).
+        let named = |dev: &str| {
+            names
+                .iter()
+                .any(|n| *n == dev || device_of_domain(n) == dev)
+        };
+        let has = |dev: &str| {
+            self.nics.iter().any(|nic| nic.name == dev)
+                || self.virtual_interfaces.iter().any(|v| v == dev)
+        };
         let unknown: Vec<&str> = names
             .iter()
             .copied()
-            .filter(|n| {
-                !self.nics.iter().any(|nic| nic.name == *n)
-                    && !self.virtual_interfaces.iter().any(|v| v == n)
-            })
+            .filter(|n| !has(n) && !has(device_of_domain(n)))
             .collect();
         if !unknown.is_empty() {
             let known: Vec<&str> = self
@@ -148,9 +172,8 @@ impl Topology {
                 },
             });
         }
-        self.nics.retain(|n| names.contains(&n.name.as_str()));
-        self.virtual_interfaces
-            .retain(|v| names.contains(&v.as_str()));
+        self.nics.retain(|n| named(&n.name));
+        self.virtual_interfaces.retain(|v| named(v));
         Ok(self)
     }
 
@@ -380,6 +403,16 @@ mod tests {
     }
 
     #[test]
+    fn a_domain_is_on_the_device_its_name_starts_with() {
+        assert_eq!(device_of_domain("rdmap0s31-rdm"), "rdmap0s31");
+        assert_eq!(device_of_domain("efa_0-dgrm"), "efa_0");
+        assert_eq!(device_of_domain("mlx5_0-dgram"), "mlx5_0");
+        assert_eq!(device_of_domain("mlx5_0"), "mlx5_0");
+        assert_eq!(device_of_domain("lo"), "lo");
+        assert_eq!(device_of_domain("-rdm"), "-rdm");
+    }
+
+    #[test]
     fn narrowing_keeps_the_named_nics_and_refuses_unknown_names() {
         let t = host().narrow(&["mlx5_1".into(), " ".into()]).unwrap();
         assert_eq!(names(&t), [Some("mlx5_1"); 3]);
@@ -392,6 +425,14 @@ mod tests {
             e.contains("names mlx5_9, ib7 but this host has mlx5_0, mlx5_1, eth0, lo"),
             "{e}"
         );
+        // A device named as libfabric names its domain: efa's `<device>-rdm`.
+        let t = host().narrow(&["mlx5_1-rdm".into()]).unwrap();
+        assert_eq!(names(&t), [Some("mlx5_1"); 3]);
+        let e = host()
+            .narrow(&["mlx5_9-rdm".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("names mlx5_9-rdm but"), "{e}");
         // The tcp provider's loopback is a valid name, and nobody's NIC.
         let lo = host().narrow(&["lo".into()]).unwrap();
         assert!(lo.nics.is_empty() && lo.virtual_interfaces == ["lo"]);

@@ -33,6 +33,7 @@ struct Offered {
     asked: &'static str,
     provider: String,
     domain: String,
+    completion: memkv_fabric::WriteCompletion,
 }
 
 pub(super) fn run(a: SelftestArgs) -> Result<i32, String> {
@@ -90,6 +91,7 @@ pub(super) fn run(a: SelftestArgs) -> Result<i32, String> {
                     round_trip(Some(RdmaConfig {
                         provider: Some(o.asked.into()),
                         domains,
+                        ..RdmaConfig::default()
                     }))
                     .map(|t| format!("{} ({}): {t}", o.asked, o.provider)),
                 )
@@ -171,6 +173,7 @@ fn providers(source: &TopoSource) -> Vec<Offered> {
                 asked,
                 provider: fab.provider.clone(),
                 domain: fab.domain_name.clone(),
+                completion: fab.write_completion,
             })
         })
         .collect()
@@ -180,7 +183,15 @@ fn providers(source: &TopoSource) -> Vec<Offered> {
 fn judge_providers(offered: &[Offered], rdma_nics: &[String]) -> Outcome {
     let list = offered
         .iter()
-        .map(|o| format!("{} ({} on {})", o.asked, o.provider, o.domain))
+        .map(|o| {
+            format!(
+                "{} ({} on {}, {})",
+                o.asked,
+                o.provider,
+                o.domain,
+                o.completion.describe()
+            )
+        })
         .collect::<Vec<_>>()
         .join(", ");
     let hardware = offered.iter().any(|o| HARDWARE.contains(&o.asked));

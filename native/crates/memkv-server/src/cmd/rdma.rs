@@ -39,9 +39,21 @@ impl<T: Transport> Conn<'_, T> {
                 "the server's libfabric provider is {:?}, the client's {prov:?}",
                 sf.fab.provider
             )),
-            Some(sf) => Endpoint::open(&sf.fab)
-                .map_err(|e| format!("cannot open an endpoint: {e}"))
-                .and_then(|mut ep| {
+            Some(sf) => sf
+                .endpoint_slot()
+                .ok_or_else(|| {
+                    format!(
+                        "the server's RDMA connections are at their bound ({}, \
+                         --max-rdma-connections)",
+                        sf.max_endpoints()
+                    )
+                })
+                .and_then(|slot| {
+                    let ep = Endpoint::open(&sf.fab)
+                        .map_err(|e| format!("cannot open an endpoint: {e}"))?;
+                    Ok((ep, slot))
+                })
+                .and_then(|(mut ep, slot)| {
                     // The provider reads an address of its own format from what we hand it
                     // (a fixed length, or up to a NUL for shm's names): one it would read
                     // past is refused, never handed over.
@@ -50,7 +62,11 @@ impl<T: Transport> Conn<'_, T> {
                     let peer = ep
                         .insert_peer(addr)
                         .map_err(|e| format!("cannot reach the client's endpoint: {e}"))?;
-                    Ok(RdmaPeer { ep, peer })
+                    Ok(RdmaPeer {
+                        ep,
+                        peer,
+                        _slot: slot,
+                    })
                 }),
         };
         let reply = match answer {
@@ -290,6 +306,7 @@ mod tests {
             rdma: Some(RdmaConfig {
                 provider: Some("tcp".into()),
                 domains: vec!["lo".into()],
+                ..RdmaConfig::default()
             }),
             ..ServerConfig::default()
         })
