@@ -400,7 +400,16 @@ fn fuzz_server() -> &'static (Server, Arc<Client>) {
     static S: std::sync::OnceLock<(Server, Arc<Client>)> = std::sync::OnceLock::new();
     S.get_or_init(|| {
         let s = server(32 << 20, None);
-        let c = client(&[&s], None);
+        // What the fuzz checks is the bytes the server serves after each stream, not how fast:
+        // deadlines far above a loaded test machine's stalls (the other tests of this binary run
+        // in parallel and pre-fault their servers' memory), still bounding a real hang.
+        let c = Client::new(ClientConfig {
+            servers: vec![s.addr.to_string()],
+            connect_timeout: Duration::from_secs(30),
+            op_timeout: Duration::from_secs(30),
+            ..ClientConfig::default()
+        })
+        .unwrap();
         assert_eq!(put(&c, b"canary", b"the stored bytes"), Status::Ok);
         (s, c)
     })
