@@ -191,25 +191,18 @@ impl Fabric {
         device_memory: bool,
     ) -> Result<Arc<Fabric>> {
         let lib = Lib::get().map_err(|e| FabricError::other("dlopen", e))?;
-        let not_asked = "GPU memory was not asked for (FI_HMEM)".to_string();
-        if device_memory {
-            match Fabric::open_with(lib, provider, domains, true) {
-                Ok(f) => return Ok(f),
-                Err(e) => {
-                    let why = format!(
-                        "provider {} offers no domain that registers GPU memory (FI_HMEM): {e}",
-                        provider.unwrap_or("(any)")
-                    );
-                    return Fabric::open_with(lib, provider, domains, false).map(|mut f| {
-                        Arc::get_mut(&mut f).expect("not shared yet").device_memory = Err(why);
-                        f
-                    });
-                }
-            }
+        if !device_memory {
+            return Fabric::open_with(lib, provider, domains, false);
         }
-        Fabric::open_with(lib, provider, domains, false).map(|mut f| {
-            Arc::get_mut(&mut f).expect("not shared yet").device_memory = Err(not_asked);
-            f
+        Fabric::open_with(lib, provider, domains, true).or_else(|e| {
+            let why = format!(
+                "provider {} offers no domain that registers GPU memory (FI_HMEM): {e}",
+                provider.unwrap_or("(any)")
+            );
+            Fabric::open_with(lib, provider, domains, false).map(|mut f| {
+                Arc::get_mut(&mut f).expect("not shared yet").device_memory = Err(why);
+                f
+            })
         })
     }
 
@@ -255,13 +248,7 @@ impl Fabric {
         let lib = Lib::get().map_err(|e| FabricError::other("dlopen", e))?;
         // SAFETY: a constant.
         let raw = unsafe { sys::mk_order_raw() };
-        Found::get(lib, provider, false, 0, raw, domains)?
-            .open(WriteCompletion::ReadFence)
-            .map(|mut f| {
-                let why = "GPU memory was not asked for (FI_HMEM)".to_string();
-                Arc::get_mut(&mut f).expect("not shared yet").device_memory = Err(why);
-                f
-            })
+        Found::get(lib, provider, false, 0, raw, domains)?.open(WriteCompletion::ReadFence)
     }
 
     /// Whether `addr`, a peer's endpoint address, is one the provider can read without reading
@@ -376,6 +363,8 @@ struct Found {
     lib: &'static Lib,
     infos: *mut FiInfo,
     info: *mut FiInfo,
+    /// Asked for with FI_HMEM (device memory).
+    hmem: bool,
 }
 
 impl Found {
@@ -412,6 +401,7 @@ impl Found {
             lib,
             infos,
             info: infos,
+            hmem,
         };
         let mut seen = Vec::new();
         while !found.info.is_null() {
@@ -461,15 +451,19 @@ impl Found {
                 prov_key: mr_mode & sys::mk_mr_prov_key() != 0,
                 depth: sys::mk_info_tx_size(info).clamp(1, MAX_DEPTH),
                 max_msg: sys::mk_info_max_msg(info).clamp(1, MAX_PIECE),
-                device_memory: cuda_reach(
-                    lib,
-                    &format!(
-                        "provider {} on {}",
-                        sys::cstr(sys::mk_info_prov(info)),
-                        sys::cstr(sys::mk_info_domain(info))
-                    ),
-                    sys::mk_info_caps(info) & sys::mk_cap_hmem() != 0,
-                ),
+                device_memory: if self.hmem {
+                    cuda_reach(
+                        lib,
+                        &format!(
+                            "provider {} on {}",
+                            sys::cstr(sys::mk_info_prov(info)),
+                            sys::cstr(sys::mk_info_domain(info))
+                        ),
+                        sys::mk_info_caps(info) & sys::mk_cap_hmem() != 0,
+                    )
+                } else {
+                    Err("GPU memory was not asked for (FI_HMEM)".to_string())
+                },
                 addr_str: sys::mk_info_addr_str(info) != 0,
                 next_key: AtomicU64::new(1),
             }
