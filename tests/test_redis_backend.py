@@ -231,10 +231,17 @@ def test_eviction_turns_a_hit_into_a_miss_at_load_never_into_bytes() -> None:
         store.flush_lookups()
         assert poll(lambda: store.lookup(b"ev/victim") is not Lookup.PENDING, 10, "the probe")
         assert store.lookup(b"ev/victim") is Lookup.HIT
-        # Another engine fills the server: the oldest value goes.
-        filler = [f"ev/fill/{i}".encode() for i in range(64)]
-        client.put_ptrs(filler, [int(pool[1].ctypes.data)] * 64, [256 << 10] * 64)
+        # Another engine fills the server until the victim goes. The lookup's TOUCH made it
+        # the newest key and Redis's LRU is approximate (it samples keys), so no fixed amount
+        # of filler is sure to evict it (CI once kept it past 16 MiB of filler into 8 MB).
+        # `exists` without a lease is EXISTS, which leaves the LRU clock alone.
+        for batch in range(64):
+            filler = [f"ev/fill/{batch}/{i}".encode() for i in range(16)]
+            client.put_ptrs(filler, [int(pool[1].ctypes.data)] * 16, [256 << 10] * 16)
+            if client.exists([b"ev/victim"]) == bytes([Status.NOT_FOUND]):
+                break
         assert r.node.info("stats")["evicted_keys"] != "0"
+        assert client.exists([b"ev/victim"]) == bytes([Status.NOT_FOUND]), "never evicted"
         store.submit_load(2, [b"ev/victim"], ptrs(out), [256 << 10])
         assert store.drain(10)
         (c,) = store.poll()
