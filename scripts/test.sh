@@ -2,7 +2,8 @@
 # The test suite, as one command: bash scripts/test.sh
 #
 #   1. makes .venv (Python deps for building and testing) if missing or out of date, and installs
-#      redis-server with apt-get when missing (the Redis backend tests start a Redis Cluster),
+#      redis-server and valkey-server with apt-get when missing (the Redis backend tests start
+#      a Redis Cluster and a Valkey Cluster),
 #      libfabric from apt where it is missing (scripts/setup-libfabric.sh),
 #   2. runs the Rust tests (cargo test --workspace --release in native/),
 #   3. builds the extension and installs memkv-vllm into .venv (maturin develop --release),
@@ -96,10 +97,36 @@ ensure_redis_server() {
       "skip (install redis-server, e.g. apt-get install redis-server)"
   fi
 }
+# The same backend tests run against a Valkey Cluster too (valkey-server, valkey-cli). Debian 12
+# ships Valkey only in bookworm-backports: there the suite is enabled (Debian's own archive and
+# keyring) for this one package; other systems install it from their own archive when it has it.
+ensure_valkey_server() {
+  command -v valkey-server >/dev/null && command -v valkey-cli >/dev/null && return 0
+  local sudo=() suite
+  ((EUID == 0)) || sudo=(sudo -n)
+  if ! command -v apt-get >/dev/null || ! "${sudo[@]}" true 2>/dev/null; then
+    echo "valkey-server not installed and no apt-get/root here: the Valkey runs of the Redis" \
+      "backend tests will skip (install valkey-server)"
+    return 0
+  fi
+  suite=$(. /etc/os-release && echo "${ID:-}-${VERSION_CODENAME:-}")
+  if [[ "$suite" == debian-bookworm ]] && ! apt-cache policy valkey-server 2>/dev/null |
+      grep -q 'Candidate: [0-9]'; then
+    echo "enabling bookworm-backports for valkey-server (/etc/apt/sources.list.d/memkv-backports.sources)"
+    printf '%s\n' "Types: deb" "URIs: http://deb.debian.org/debian" "Suites: bookworm-backports" \
+      "Components: main" "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg" |
+      "${sudo[@]}" tee /etc/apt/sources.list.d/memkv-backports.sources >/dev/null
+  fi
+  echo "installing valkey-server (apt-get)"
+  "${sudo[@]}" apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+    "${sudo[@]}" apt-get install -y -qq valkey-server >/dev/null
+}
 log "python venv $VENV"
 ensure_venv
 log "redis-server (Redis backend tests)"
 ensure_redis_server
+log "valkey-server (the Redis backend tests against Valkey)"
+ensure_valkey_server || [[ "${CI:-}" != true ]] || exit 1
 log "libfabric (the RDMA transport's tests run over its tcp provider on loopback)"
 # A developer without root gets the message and the rest of the suite; CI must test that path.
 bash "$ROOT/scripts/setup-libfabric.sh" || [[ "${CI:-}" != true ]] || exit 1

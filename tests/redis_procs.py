@@ -1,8 +1,8 @@
 """Real Redis Cluster and standalone Redis processes on free loopback ports (tests, benchmarks).
 
-Everything runs from the distribution's `redis-server` and `redis-cli` (scripts/test.sh --setup
-installs them): no container, one temporary directory per process for its cluster config, every
-process killed at `stop()`.
+Everything runs from the distribution's `redis-server` and `redis-cli`, or `valkey-server` and
+`valkey-cli` for flavor "valkey" (scripts/test.sh --setup installs both): no container, one
+temporary directory per process for its cluster config, every process killed at `stop()`.
 """
 
 from __future__ import annotations
@@ -16,14 +16,16 @@ from pathlib import Path
 
 import pytest
 
+FLAVORS = ("redis", "valkey")
 
-def redis_binaries() -> tuple[str, str]:
-    """(redis-server, redis-cli), or the calling test is skipped with the command that installs
-    them. A clean machine gets them from `bash scripts/test.sh --setup`."""
-    server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+
+def redis_binaries(flavor: str = "redis") -> tuple[str, str]:
+    """(<flavor>-server, <flavor>-cli), or the calling test is skipped with the command that
+    installs them. A clean machine gets them from `bash scripts/test.sh --setup`."""
+    server, cli = shutil.which(f"{flavor}-server"), shutil.which(f"{flavor}-cli")
     if server is None or cli is None:
-        pytest.skip("redis-server / redis-cli not installed (bash scripts/test.sh --setup "
-                    "installs them: apt-get install redis-server)")
+        pytest.skip(f"{flavor}-server / {flavor}-cli not installed (bash scripts/test.sh --setup "
+                    f"installs them: apt-get install {flavor}-server)")
     return server, cli
 
 
@@ -68,16 +70,16 @@ def poll(cond, timeout: float, what: str, interval: float = 0.05):  # noqa: ANN0
 
 
 class RedisNode:
-    """One `redis-server` process (cluster-enabled or standalone)."""
+    """One `redis-server` (or `valkey-server`) process, cluster-enabled or standalone."""
 
     def __init__(self, port: int, cluster: bool, extra: list[str] | None = None,
                  node_timeout_ms: int = 1000, password: str | None = None,
-                 cli_args: list[str] | None = None) -> None:
+                 cli_args: list[str] | None = None, flavor: str = "redis") -> None:
         self.port = port
         self.password = password
         self.cli_args = cli_args or []  # e.g. --tls --cacert ... for a TLS-only server
         self.dir = Path(tempfile.mkdtemp(prefix=f"redis-{port}-"))
-        server, self.cli = redis_binaries()
+        server, self.cli = redis_binaries(flavor)
         args = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", str(self.dir), "--protected-mode", "no",
                 "--logfile", str(self.dir / "redis.log")]
@@ -134,14 +136,16 @@ class RedisNode:
 
 
 class RedisCluster:
-    """`primaries` primaries with `replicas` replicas each, made by `redis-cli --cluster create`."""
+    """`primaries` primaries with `replicas` replicas each, made by `<flavor>-cli --cluster
+    create`."""
 
     def __init__(self, primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000,
-                 extra: list[str] | None = None) -> None:
+                 extra: list[str] | None = None, flavor: str = "redis") -> None:
+        self.flavor = flavor
         self.nodes: list[RedisNode] = []
         try:
             for port in free_ports(primaries * (1 + replicas)):
-                self.nodes.append(RedisNode(port, True, extra, node_timeout_ms))
+                self.nodes.append(RedisNode(port, True, extra, node_timeout_ms, flavor=flavor))
             for n in self.nodes:
                 poll(n.ping, 20, f"redis-server on {n.port}")
             cli = self.nodes[0].cli
@@ -230,7 +234,7 @@ class RedisStandalone:
     """One standalone `redis-server` (e.g. with maxmemory + allkeys-lru for eviction tests)."""
 
     def __init__(self, extra: list[str] | None = None, password: str | None = None,
-                 tls: tuple[str, str] | None = None) -> None:
+                 tls: tuple[str, str] | None = None, flavor: str = "redis") -> None:
         """`tls` = (certificate, key) files: the server then listens with TLS only, the
         certificate being its own CA."""
         port = free_ports(1)[0]
@@ -240,7 +244,7 @@ class RedisStandalone:
                      tls[0], "--tls-key-file", tls[1], "--tls-ca-cert-file", tls[0],
                      "--tls-auth-clients", "no"]
             cli = ["--tls", "--cacert", tls[0]]
-        self.node = RedisNode(port, False, extra, password=password, cli_args=cli)
+        self.node = RedisNode(port, False, extra, password=password, cli_args=cli, flavor=flavor)
         self.scheme = "rediss" if tls else "redis"
         try:
             poll(self.node.ping, 20, f"redis-server on {self.node.port}")

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("redis", reason="the redis backend needs redis-py (scripts/test.sh --setup)")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from redis_procs import RedisCluster, RedisStandalone, free_ports, poll  # noqa: E402
+from redis_procs import FLAVORS, RedisCluster, RedisStandalone, free_ports, poll  # noqa: E402
 
 from memkv_vllm.backends import make_client  # noqa: E402
 from memkv_vllm.config import load_config  # noqa: E402
@@ -36,9 +36,16 @@ from memkv_vllm.redis_client import (  # noqa: E402
 from memkv_vllm.store import BlockStore, StoreOptions  # noqa: E402
 
 
+@pytest.fixture(scope="module", params=FLAVORS)
+def flavor(request: pytest.FixtureRequest) -> str:
+    """Every test here runs against Redis and against Valkey (a fork that speaks the same
+    protocol and cluster bus: users run either)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisCluster]:
-    c = RedisCluster(primaries=3, replicas=1)
+def cluster(flavor: str) -> Iterator[RedisCluster]:
+    c = RedisCluster(primaries=3, replicas=1, flavor=flavor)
     yield c
     c.stop()
 
@@ -166,8 +173,8 @@ def test_block_store_over_redis_cluster(client: RedisBlockClient) -> None:
         store.close()
 
 
-def test_standalone_with_password_and_auto_mode() -> None:
-    r = RedisStandalone(password="s3cret")
+def test_standalone_with_password_and_auto_mode(flavor: str) -> None:
+    r = RedisStandalone(password="s3cret", flavor=flavor)
     try:
         good = client_for(r.urls, redis_password="s3cret")
         src = rows(4, 300, 7)
@@ -212,11 +219,12 @@ def test_memory_is_written_only_for_ok_keys(client: RedisBlockClient) -> None:
     assert bytes(dst[:256]) == src.tobytes() and bytes(dst[256:]) == b"\x11" * 256
 
 
-def test_eviction_turns_a_hit_into_a_miss_at_load_never_into_bytes() -> None:
+def test_eviction_turns_a_hit_into_a_miss_at_load_never_into_bytes(flavor: str) -> None:
     """Redis has no leases: a block the lookup saw can be evicted (maxmemory + allkeys-lru)
     before its load. The load then fails like any miss (the tier recomputes) and the block
     store reads MISS from then on; the destination keeps its bytes."""
-    r = RedisStandalone(extra=["--maxmemory", "8mb", "--maxmemory-policy", "allkeys-lru"])
+    r = RedisStandalone(extra=["--maxmemory", "8mb", "--maxmemory-policy", "allkeys-lru"],
+                        flavor=flavor)
     client = client_for(r.urls)
     pool = rows(2, 256 << 10, 9)
     out = np.full((1, 256 << 10), 0x5A, dtype=np.uint8)
@@ -255,7 +263,7 @@ def test_eviction_turns_a_hit_into_a_miss_at_load_never_into_bytes() -> None:
         r.stop()
 
 
-def test_tls_settings_reach_the_connection(tmp_path: Path) -> None:
+def test_tls_settings_reach_the_connection(tmp_path: Path, flavor: str) -> None:
     """rediss:// plus redis_tls_ca: a TLS-only server answers; without the CA it cannot."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")
@@ -263,7 +271,7 @@ def test_tls_settings_reach_the_connection(tmp_path: Path) -> None:
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
                     "-out", cert, "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
                     "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
-    r = RedisStandalone(tls=(cert, key))
+    r = RedisStandalone(tls=(cert, key), flavor=flavor)
     try:
         good = client_for(r.urls, redis_tls_ca=cert)
         src = rows(2, 1000, 10)
@@ -280,12 +288,12 @@ def test_tls_settings_reach_the_connection(tmp_path: Path) -> None:
         r.stop()
 
 
-def test_probes_queued_behind_a_stuck_server_time_out_without_io() -> None:
+def test_probes_queued_behind_a_stuck_server_time_out_without_io(flavor: str) -> None:
     """A server that stops answering (SIGSTOP) while the scheduler submits a probe per step:
     the probes already sent wait out op_timeout_s, the ones queued behind them answer TIMEOUT at
     once, so the backlog does not grow with the outage; once the server runs again, probes
     answer normally."""
-    r = RedisStandalone()
+    r = RedisStandalone(flavor=flavor)
     client = client_for(r.urls, op_timeout_s=0.5, io_threads=2)
     try:
         assert client.exists([b"stuck/a"]) == bytes([Status.NOT_FOUND])  # connected
