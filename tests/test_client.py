@@ -120,12 +120,16 @@ def test_two_clients_share_a_two_server_cluster(memkv_cluster2):
 def test_killed_server_turns_its_keys_into_misses_without_hanging(transport, memkv_cluster2):
     keys = [b"kill/%04d" % i for i in range(64)]
     vals = [rand_bytes(1 << 20, i) for i in range(64)]
-    # The 64 MiB are stored with a patient client: over the tcp provider on a loaded 2-core box
-    # they took longer than the 3 s the client under test allows one operation.
-    loader = client_for(*memkv_cluster2, transport=transport, op_timeout_s=60.0)
+    # The 64 MiB are stored with a patient client: on a loaded 2-core box an RDMA connection's
+    # set-up (the provider's endpoint buffers on both sides) took longer than 1 s to connect
+    # and the puts longer than the 3 s the client under test allows one operation.
+    loader = client_for(*memkv_cluster2, transport=transport, op_timeout_s=60.0,
+                        connect_timeout_s=30.0)
     assert loader.put(keys, vals) == [Status.OK] * 64
     loader.close()
-    c = client_for(*memkv_cluster2, transport=transport, op_timeout_s=3.0, connect_timeout_s=1.0)
+    # A dead server on loopback refuses at once: the connect timeout bounds nothing here, and
+    # the live server's RDMA connection may take more than 1 s to set up on a loaded box.
+    c = client_for(*memkv_cluster2, transport=transport, op_timeout_s=3.0, connect_timeout_s=10.0)
     victim = memkv_cluster2[1]
     owned_by_victim = [c.server_of(k) == victim.address for k in keys]
     dst = [np.zeros(1 << 20, np.uint8) for _ in keys]
