@@ -185,7 +185,8 @@ impl<'a, T: Transport> Conn<'a, T> {
                     return end;
                 }
             }
-            let deadline = self.io.timing.deadline(h.body_len as u64 + h.payload_len);
+            let deadline =
+                (self.io.timing).deadline(u64::from(h.body_len).saturating_add(h.payload_len));
             let Some(_share) = self.take(h.body_len as u64, deadline) else {
                 return self.busy();
             };
@@ -222,9 +223,10 @@ impl<'a, T: Transport> Conn<'a, T> {
         Ok(())
     }
 
-    /// `bytes` of the byte budget, waiting for it until `deadline`.
+    /// `bytes` of the byte budget, waiting for it until `deadline`, or until the request falls
+    /// behind its pace (the wait moves none of its bytes) if that comes first.
     pub(crate) fn take(&self, bytes: u64, deadline: Instant) -> Option<BudgetShare<'a>> {
-        self.ctx.budget.take(bytes, deadline)
+        self.ctx.budget.take(bytes, self.io.keep_pace(deadline))
     }
 
     pub(crate) fn busy(&self) -> End {
