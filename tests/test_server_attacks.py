@@ -4,13 +4,14 @@ Each test drives the real server with raw sockets and failed against the server 
 
 from __future__ import annotations
 
+import select
 import socket
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from test_server import GET, PUT, connect, header, hello, key_lens
+from test_server import GET, HELLO, PUT, connect, header, hello, key_lens
 from test_server_limits import KEY, STALLED, authed, error_code, round_trip_s, rss
 
 from memkv_vllm.client import MemKVClient, Status
@@ -158,3 +159,20 @@ def test_a_reader_that_takes_nothing_is_cut_off_whatever_the_size_of_its_reply(
     assert time.monotonic() - t < 5, "pins held past the reply's pace"
     assert srv.stats()["errors"]["stalled"] == 1
     s.close()
+
+
+def test_a_peer_trickling_its_handshake_is_closed_at_the_handshake_timeout(memkv_server_factory):
+    """Only the first byte of a handshake frame had to come within the handshake timeout; the
+    rest had the frame timeout, so a peer sending its HELLO a byte at a time held its connection
+    for both. The handshake timeout now bounds every byte before authentication."""
+    srv = memkv_server_factory(memory="16M", auth_key=KEY, extra=["--handshake-timeout", "1"])
+    s = connect(srv)
+    t = time.monotonic()
+    for b in header(HELLO, 0):
+        s.send(bytes([b]))
+        # The trickle's pace; the server's answer ends it early.
+        if select.select([s], [], [], 0.1)[0]:
+            break
+    s.settimeout(5)
+    assert error_code(s) == STALLED
+    assert time.monotonic() - t < 2.5

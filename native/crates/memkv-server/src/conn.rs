@@ -185,8 +185,11 @@ impl<'a, T: Transport> Conn<'a, T> {
                     return end;
                 }
             }
-            let deadline =
+            let mut deadline =
                 (self.io.timing).deadline(u64::from(h.body_len).saturating_add(h.payload_len));
+            if !self.ready() {
+                deadline = deadline.min(self.handshake_until);
+            }
             let Some(_share) = self.take(h.body_len as u64, deadline) else {
                 return self.busy();
             };

@@ -93,7 +93,7 @@ impl<T: Transport> FrameIo<T> {
     }
 
     /// Waits for the next frame's header until shutdown or `idle_until`; once its first byte
-    /// arrived, the rest must follow within the frame timeout.
+    /// arrived, the rest must follow within the frame timeout (and by `idle_until`).
     pub fn next_header(
         &mut self,
         idle_until: Option<Instant>,
@@ -123,8 +123,17 @@ impl<T: Transport> FrameIo<T> {
                 Err(e) => return Err(ReadEnd::Io(e)),
             }
         };
+        // Before authentication the handshake deadline bounds the whole frame, not only its
+        // first byte: a peer trickling its HELLO would otherwise hold on for the frame timeout.
         let deadline = self.timing.deadline(HEADER_LEN as u64);
-        self.read_exact(&mut hb[first..], deadline, |_| {})?;
+        let deadline = idle_until.map_or(deadline, |t| deadline.min(t));
+        self.read_exact(&mut hb[first..], deadline, |_| {})
+            .map_err(|e| match e {
+                ReadEnd::Stalled if idle_until.is_some_and(|t| t <= Instant::now()) => {
+                    ReadEnd::Idle
+                }
+                e => e,
+            })?;
         Ok(hb)
     }
 
