@@ -11,8 +11,19 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_server import GET, HELLO, PUT, connect, header, hello, key_lens
-from test_server_limits import KEY, STALLED, authed, error_code, round_trip_s, rss
+from test_server import (
+    GET,
+    HELLO,
+    PING,
+    PUT,
+    STATS,
+    assert_closed_with_error,
+    connect,
+    header,
+    hello,
+    key_lens,
+)
+from test_server_limits import KEY, MALFORMED, STALLED, authed, error_code, round_trip_s, rss
 
 from memkv_vllm.client import MemKVClient, Status
 from memkv_vllm.config import MemKVConfig
@@ -176,3 +187,13 @@ def test_a_peer_trickling_its_handshake_is_closed_at_the_handshake_timeout(memkv
     s.settimeout(5)
     assert error_code(s) == STALLED
     assert time.monotonic() - t < 2.5
+
+
+@pytest.mark.parametrize("op", [HELLO, PING, STATS])
+def test_a_body_on_a_request_that_takes_none_is_refused_unread(memkv_server_factory, op):
+    """HELLO (after authentication), PING and STATS take no body; one was read into the buffer
+    budget and ignored. Now it is a malformed frame, refused before its body is read."""
+    srv = memkv_server_factory(memory="16M", auth_key=KEY)
+    s = authed(srv)
+    s.sendall(header(op, 16 << 20) + b"x" * 100)
+    assert_closed_with_error(s, MALFORMED)

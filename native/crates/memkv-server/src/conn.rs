@@ -185,6 +185,10 @@ impl<'a, T: Transport> Conn<'a, T> {
                     return end;
                 }
             }
+            // Refused before its body is read: the body has no meaning, so it is a peer error.
+            if h.body_len != 0 && matches!(h.opcode, Opcode::Hello | Opcode::Ping | Opcode::Stats) {
+                return ProtoError::Malformed("HELLO, PING and STATS carry no body").into();
+            }
             let mut deadline =
                 (self.io.timing).deadline(u64::from(h.body_len).saturating_add(h.payload_len));
             if !self.ready() {

@@ -76,6 +76,19 @@ impl ConnLimits {
             s.doomed += 1;
             self.metrics.error("evicted_unauthenticated");
         }
+        // An evicted connection keeps its socket and thread until its thread sees the close,
+        // normally at once. Waiting for that here (the kernel queues new connections meanwhile)
+        // keeps descriptors and threads within the limit under a flood, instead of letting
+        // evicted connections pile up faster than their threads end and run the process out of
+        // descriptors, which refuses clients with the key.
+        let until = Instant::now() + EVICTED_EXIT_WAIT;
+        while s.open >= self.max && s.doomed > 0 {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            s = self.changed.wait_timeout(s, left).unwrap().0;
+        }
         s.open += 1;
         let id = s.next_id;
         s.next_id += 1;
@@ -143,6 +156,9 @@ impl Drop for Permit {
         self.limits.changed.notify_all();
     }
 }
+
+/// Longest a new connection waits for the connections evicted for it to end.
+const EVICTED_EXIT_WAIT: Duration = Duration::from_millis(200);
 
 /// Descriptors a connection holds: its socket, and the duplicate that closes it from another
 /// thread (`Transport::closer`).
