@@ -185,7 +185,15 @@ impl<'a, T: Transport> Conn<'a, T> {
                     return end;
                 }
             }
-            let deadline = self.io.timing.deadline(h.body_len as u64 + h.payload_len);
+            // Refused before its body is read: the body has no meaning, so it is a peer error.
+            if h.body_len != 0 && matches!(h.opcode, Opcode::Hello | Opcode::Ping | Opcode::Stats) {
+                return ProtoError::Malformed("HELLO, PING and STATS carry no body").into();
+            }
+            let mut deadline =
+                (self.io.timing).deadline(u64::from(h.body_len).saturating_add(h.payload_len));
+            if !self.ready() {
+                deadline = deadline.min(self.handshake_until);
+            }
             let Some(_share) = self.take(h.body_len as u64, deadline) else {
                 return self.busy();
             };
@@ -222,9 +230,10 @@ impl<'a, T: Transport> Conn<'a, T> {
         Ok(())
     }
 
-    /// `bytes` of the byte budget, waiting for it until `deadline`.
+    /// `bytes` of the byte budget, waiting for it until `deadline`, or until the request falls
+    /// behind its pace (the wait moves none of its bytes) if that comes first.
     pub(crate) fn take(&self, bytes: u64, deadline: Instant) -> Option<BudgetShare<'a>> {
-        self.ctx.budget.take(bytes, deadline)
+        self.ctx.budget.take(bytes, self.io.keep_pace(deadline))
     }
 
     pub(crate) fn busy(&self) -> End {

@@ -1,7 +1,8 @@
 //! Frames over a `Transport`, with the time limits that keep slow and silent peers from holding
 //! memory or slots: a wait for the next frame that ends at shutdown (and, before authentication,
 //! at the handshake deadline), and for every frame in either direction a deadline of the frame
-//! timeout plus its bytes at the minimum rate.
+//! timeout plus its bytes at the minimum rate, which it must also keep pace with on the way
+//! (`Pace`): the announced size of a frame lengthens its deadline only as its bytes move.
 
 use std::io::{self, IoSlice, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,8 +28,33 @@ pub struct Timing {
 impl Timing {
     /// When a frame (or reply) of `bytes` bytes started now must be complete.
     pub fn deadline(&self, bytes: u64) -> Instant {
+        self.after(Instant::now(), bytes)
+    }
+
+    /// The frame timeout plus `bytes` at the minimum rate, from `start`.
+    fn after(&self, start: Instant, bytes: u64) -> Instant {
         let secs = bytes as f64 / self.min_rate.max(1) as f64;
-        Instant::now() + self.frame_timeout + Duration::from_secs_f64(secs.min(1e9))
+        start + self.frame_timeout + Duration::from_secs_f64(secs.min(1e9))
+    }
+}
+
+/// The bytes of a frame moved so far in one direction, since its first one. A frame keeps pace
+/// while they, at the minimum rate, cover all but the frame timeout of the time since its start:
+/// it falls behind at `Timing::after(start, bytes)`. Without this a peer could announce a huge
+/// frame (a PUT payload far beyond the values it will send) and then send nothing until the
+/// deadline of the size it announced, holding its buffers for years.
+#[derive(Debug, Clone, Copy)]
+struct Pace {
+    start: Instant,
+    bytes: u64,
+}
+
+impl Pace {
+    fn new() -> Pace {
+        Pace {
+            start: Instant::now(),
+            bytes: 0,
+        }
     }
 }
 
@@ -48,6 +74,8 @@ pub struct FrameIo<T: Transport> {
     t: T,
     shutdown: Arc<AtomicBool>,
     pub timing: Timing,
+    /// The request being read, from its first header byte on.
+    read: Pace,
 }
 
 impl<T: Transport> FrameIo<T> {
@@ -56,6 +84,7 @@ impl<T: Transport> FrameIo<T> {
             t,
             shutdown,
             timing,
+            read: Pace::new(),
         }
     }
 
@@ -64,7 +93,7 @@ impl<T: Transport> FrameIo<T> {
     }
 
     /// Waits for the next frame's header until shutdown or `idle_until`; once its first byte
-    /// arrived, the rest must follow within the frame timeout.
+    /// arrived, the rest must follow within the frame timeout (and by `idle_until`).
     pub fn next_header(
         &mut self,
         idle_until: Option<Instant>,
@@ -83,17 +112,40 @@ impl<T: Transport> FrameIo<T> {
             };
             match self.t.read(&mut hb, wait) {
                 Ok(0) => return Err(ReadEnd::Closed),
-                Ok(n) => break n,
+                Ok(n) => {
+                    self.read = Pace {
+                        start: Instant::now(),
+                        bytes: n as u64,
+                    };
+                    break n;
+                }
                 Err(e) if waiting(&e) => {}
                 Err(e) => return Err(ReadEnd::Io(e)),
             }
         };
+        // Before authentication the handshake deadline bounds the whole frame, not only its
+        // first byte: a peer trickling its HELLO would otherwise hold on for the frame timeout.
         let deadline = self.timing.deadline(HEADER_LEN as u64);
-        self.read_exact(&mut hb[first..], deadline, |_| {})?;
+        let deadline = idle_until.map_or(deadline, |t| deadline.min(t));
+        self.read_exact(&mut hb[first..], deadline, |_| {})
+            .map_err(|e| match e {
+                ReadEnd::Stalled if idle_until.is_some_and(|t| t <= Instant::now()) => {
+                    ReadEnd::Idle
+                }
+                e => e,
+            })?;
         Ok(hb)
     }
 
-    /// Fills `buf` by `deadline`, handing each piece to `seen` as it lands.
+    /// The earlier of `deadline` and the moment the request being read falls behind its pace
+    /// if no byte of it moves: the longest the server may wait on its behalf (for buffer
+    /// memory) without reading.
+    pub fn keep_pace(&self, deadline: Instant) -> Instant {
+        deadline.min(self.timing.after(self.read.start, self.read.bytes))
+    }
+
+    /// Fills `buf` by `deadline`, keeping the request's pace, handing each piece to `seen` as it
+    /// lands.
     pub fn read_exact(
         &mut self,
         buf: &mut [u8],
@@ -102,19 +154,22 @@ impl<T: Transport> FrameIo<T> {
     ) -> Result<(), ReadEnd> {
         let mut done = 0;
         while done < buf.len() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(ReadEnd::Stalled);
-            }
+            let left = self
+                .keep_pace(deadline)
+                .saturating_duration_since(Instant::now());
             let end = buf.len().min(done + READ_PIECE);
             match self.t.read(&mut buf[done..end], left) {
                 Ok(0) => {
                     return Err(ReadEnd::Io(io::ErrorKind::UnexpectedEof.into()));
                 }
                 Ok(n) => {
+                    self.read.bytes += n as u64;
                     seen(&buf[done..done + n]);
                     done += n;
                 }
+                // Behind, and nothing waiting either. Bytes already here are read however late
+                // the server comes to them: its own delays (a busy machine) are not the peer's.
+                Err(e) if waiting(&e) && left.is_zero() => return Err(ReadEnd::Stalled),
                 Err(e) if waiting(&e) => {}
                 Err(e) => return Err(ReadEnd::Io(e)),
             }
@@ -122,9 +177,14 @@ impl<T: Transport> FrameIo<T> {
         Ok(())
     }
 
-    /// A writer whose writes fail with TimedOut once `deadline` passed.
+    /// A writer whose writes fail with TimedOut once `deadline` passed or the bytes written
+    /// fall behind their pace.
     pub fn writer(&mut self, deadline: Instant) -> DeadlineWriter<'_, T> {
-        DeadlineWriter { io: self, deadline }
+        DeadlineWriter {
+            io: self,
+            deadline,
+            pace: Pace::new(),
+        }
     }
 }
 
@@ -138,6 +198,7 @@ fn waiting(e: &io::Error) -> bool {
 pub struct DeadlineWriter<'a, T: Transport> {
     io: &'a mut FrameIo<T>,
     deadline: Instant,
+    pace: Pace,
 }
 
 impl<T: Transport> Write for DeadlineWriter<'_, T> {
@@ -147,12 +208,21 @@ impl<T: Transport> Write for DeadlineWriter<'_, T> {
 
     fn write_vectored(&mut self, parts: &[IoSlice<'_>]) -> io::Result<usize> {
         loop {
-            let left = self.deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(io::Error::new(io::ErrorKind::TimedOut, "reply stalled"));
-            }
+            let until = (self.io.timing).after(self.pace.start, self.pace.bytes);
+            let left = self
+                .deadline
+                .min(until)
+                .saturating_duration_since(Instant::now());
+            // As for reads: room the peer made is used however late the server comes to it.
             match self.io.t.write_vectored(parts, left) {
+                Err(e) if waiting(&e) && left.is_zero() => {
+                    return Err(io::Error::new(io::ErrorKind::TimedOut, "reply stalled"));
+                }
                 Err(e) if waiting(&e) => {}
+                Ok(n) => {
+                    self.pace.bytes += n as u64;
+                    return Ok(n);
+                }
                 r => return r,
             }
         }
@@ -245,6 +315,40 @@ mod tests {
             d > Duration::from_millis(4900) && d <= Duration::from_secs(5),
             "{d:?}"
         );
+    }
+
+    #[test]
+    fn a_frame_announced_large_that_stops_is_cut_off_at_its_pace_not_its_size() {
+        let mut f = io(vec![(0, vec![1; 32]), (60_000, vec![1; 1])], FAST);
+        assert!(f.next_header(None).is_ok());
+        // Announced: 1 GiB, due in about 17 minutes at 1 MiB/s; sent: nothing more.
+        let deadline = FAST.deadline(1 << 30);
+        let t = Instant::now();
+        let r = f.read_exact(&mut [0u8; 4096], deadline, |_| {});
+        assert!(matches!(r, Err(ReadEnd::Stalled)), "{r:?}");
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert!(f.keep_pace(deadline) < deadline);
+    }
+
+    #[test]
+    fn bytes_already_here_are_read_however_late_the_server_comes_to_them() {
+        let mut f = io(vec![(0, vec![1; 32]), (0, vec![2; 64])], FAST);
+        assert!(f.next_header(None).is_ok());
+        // The server was busy past the request's pace (a loaded machine); the peer was not.
+        std::thread::sleep(FAST.frame_timeout * 2);
+        let mut body = [0u8; 64];
+        let r = f.read_exact(&mut body, FAST.deadline(64), |_| {});
+        assert!(r.is_ok(), "{r:?}");
+        assert_eq!(body, [2; 64]);
+    }
+
+    #[test]
+    fn a_reply_nobody_takes_times_out_at_its_pace_not_its_size() {
+        let mut f = io(vec![], FAST);
+        let t = Instant::now();
+        let e = f.writer(FAST.deadline(1 << 30)).write(b"x").unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! hands it, as a `transport`, to `conn` (the session: handshake, then requests), which reads and
 //! writes frames through `frame` (deadlines) and runs one module of `cmd` per command on the
 //! `store` (lanes by key hash); each `lane` holds an index, S3-FIFO eviction, leases and pins
-//! over memory from `arena`; `verify` checks GET chunks ahead of the send; `metrics` counts it.
+//! over memory from `arena`; `verify` checks GET chunks ahead of the send; `metrics` counts it and
+//! `metrics_http` serves the counters on `--metrics`.
 
 pub mod arena;
 mod cmd;
@@ -13,6 +14,7 @@ pub mod frame;
 pub mod lane;
 pub mod limits;
 pub mod metrics;
+pub mod metrics_http;
 pub mod rdma;
 pub mod server;
 pub mod store;

@@ -76,6 +76,19 @@ impl ConnLimits {
             s.doomed += 1;
             self.metrics.error("evicted_unauthenticated");
         }
+        // An evicted connection keeps its socket and thread until its thread sees the close,
+        // normally at once. Waiting for that here (the kernel queues new connections meanwhile)
+        // keeps descriptors and threads within the limit under a flood, instead of letting
+        // evicted connections pile up faster than their threads end and run the process out of
+        // descriptors, which refuses clients with the key.
+        let until = Instant::now() + EVICTED_EXIT_WAIT;
+        while s.open >= self.max && s.doomed > 0 {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            s = self.changed.wait_timeout(s, left).unwrap().0;
+        }
         s.open += 1;
         let id = s.next_id;
         s.next_id += 1;
@@ -142,6 +155,65 @@ impl Drop for Permit {
             .store(s.open as u64, Ordering::Relaxed);
         self.limits.changed.notify_all();
     }
+}
+
+/// Longest a new connection waits for the connections evicted for it to end.
+const EVICTED_EXIT_WAIT: Duration = Duration::from_millis(200);
+
+/// Descriptors a connection holds: its socket, and the duplicate that closes it from another
+/// thread (`Transport::closer`).
+pub const FDS_PER_CONNECTION: u64 = 2;
+
+/// Descriptors an RDMA endpoint may hold in its libfabric provider (completion queue, address
+/// vector, wait objects, the tcp provider's sockets), counted for each `--max-rdma-connections`.
+pub const FDS_PER_RDMA_ENDPOINT: u64 = 16;
+
+/// Descriptors left for everything but connections: listeners, metrics connections, the arena,
+/// logs, the verifier pool, libfabric's own.
+pub const FDS_SPARE: u64 = 64;
+
+/// The connections of `wanted` whose descriptors fit under the process's limit on open files
+/// next to `other_fds` (RDMA endpoints) and `FDS_SPARE`. The soft limit is raised toward the
+/// hard one first when it is too low: a server that runs out of descriptors cannot accept the
+/// connection that would close the oldest unauthenticated one, so silent peers would lock out
+/// clients with the key. Where even the hard limit is too low the server serves fewer
+/// connections and says so, naming the flag and the limit.
+pub fn fit_fd_limit(wanted: usize, other_fds: u64) -> usize {
+    let need = (wanted as u64)
+        .saturating_mul(FDS_PER_CONNECTION)
+        .saturating_add(other_fds + FDS_SPARE);
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read and write the one struct passed.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return wanted;
+    }
+    if lim.rlim_cur < need && lim.rlim_cur < lim.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: need.min(lim.rlim_max),
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: as above.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            lim.rlim_cur = raised.rlim_cur;
+        }
+    }
+    if lim.rlim_cur >= need {
+        return wanted;
+    }
+    let fit = (lim.rlim_cur.saturating_sub(other_fds + FDS_SPARE) / FDS_PER_CONNECTION).max(1);
+    let fit = (fit as usize).min(wanted);
+    tracing::warn!(
+        max_connections = wanted,
+        open_files_limit = lim.rlim_cur,
+        descriptors_needed = need,
+        serving_connections = fit,
+        "--max-connections does not fit the open files limit (RLIMIT_NOFILE); raise it \
+         (ulimit -n, systemd LimitNOFILE=) to serve more connections"
+    );
+    fit
 }
 
 /// A global bound on the bytes of request bodies and reply tables held at once, over all

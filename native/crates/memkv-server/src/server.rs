@@ -12,7 +12,8 @@ use memkv_proto::{self as proto, ErrorCode, Opcode};
 
 use crate::conn::{self, ConnCtx};
 use crate::frame::Timing;
-use crate::limits::{ByteBudget, ConnLimits, WarnLimiter};
+use crate::limits::{self, ByteBudget, ConnLimits, WarnLimiter};
+use crate::metrics_http;
 use crate::rdma::{RdmaConfig, ServerFabric};
 use crate::store::Store;
 use crate::transport::{TcpTransport, Transport};
@@ -147,7 +148,11 @@ impl Server {
             warn: WarnLimiter::new(10, Duration::from_secs(10)),
             rdma,
         });
-        let limits = ConnLimits::new(cfg.max_connections, store.metrics.clone());
+        let rdma_fds = cfg.rdma.as_ref().map_or(0, |r| {
+            (r.max_endpoints as u64).saturating_mul(limits::FDS_PER_RDMA_ENDPOINT)
+        });
+        let max_connections = limits::fit_fd_limit(cfg.max_connections, rdma_fds);
+        let limits = ConnLimits::new(max_connections, store.metrics.clone());
         let mut threads = Vec::new();
         let lim = limits.clone();
         threads.push(
@@ -158,10 +163,12 @@ impl Server {
         let mut metrics_addr = None;
         if let Some(m) = &cfg.metrics_listen {
             let at = resolve("--metrics", m)?;
-            let http = tiny_http::Server::http(&at[..])
-                .map_err(|e| io::Error::other(format!("metrics listener {m}: {e}")))?;
-            metrics_addr = http.server_addr().to_ip();
-            if cfg.auth_key.is_some() && metrics_addr.is_some_and(|a| !a.ip().is_loopback()) {
+            let http = TcpListener::bind(&at[..])
+                .map_err(|e| io::Error::new(e.kind(), format!("metrics listener {m}: {e}")))?;
+            http.set_nonblocking(true)?;
+            let bound = http.local_addr()?;
+            metrics_addr = Some(bound);
+            if cfg.auth_key.is_some() && !bound.ip().is_loopback() {
                 tracing::warn!(
                     metrics = %m,
                     "--metrics serves counters without credentials to anyone who can reach it"
@@ -171,7 +178,7 @@ impl Server {
             threads.push(
                 std::thread::Builder::new()
                     .name("memkv-metrics".into())
-                    .spawn(move || metrics_loop(http, store, stop))?,
+                    .spawn(move || metrics_http::serve(http, &store, &stop))?,
             );
         }
         tracing::info!(
@@ -233,7 +240,9 @@ fn accept_loop(listener: TcpListener, ctx: Arc<ConnCtx>, limits: Arc<ConnLimits>
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             Err(e) => {
                 // Out of descriptors or memory: back off instead of spinning on the error.
-                tracing::warn!(error = %e, "accept failed");
+                if let Some(dropped) = ctx.warn.allow() {
+                    tracing::warn!(error = %e, dropped_warnings = dropped, "accept failed");
+                }
                 std::thread::sleep(Duration::from_millis(50));
                 continue;
             }
@@ -278,23 +287,6 @@ fn refuse(mut t: TcpTransport, msg: &str) {
     let parts = [io::IoSlice::new(&hdr), io::IoSlice::new(&body)];
     // One short write into an empty socket buffer; a peer that cannot take 50 bytes loses them.
     let _ = t.write_vectored(&parts, Duration::from_millis(100));
-}
-
-fn metrics_loop(http: tiny_http::Server, store: Arc<Store>, stop: Arc<AtomicBool>) {
-    while !stop.load(Ordering::Relaxed) {
-        let Ok(Some(req)) = http.recv_timeout(Duration::from_millis(200)) else {
-            continue;
-        };
-        let resp = if req.url() == "/metrics" {
-            let text = store.metrics.to_prometheus(&store.lane_stats());
-            let ct =
-                tiny_http::Header::from_bytes("Content-Type", "text/plain; version=0.0.4").unwrap();
-            tiny_http::Response::from_string(text).with_header(ct)
-        } else {
-            tiny_http::Response::from_string("see /metrics\n").with_status_code(404)
-        };
-        let _ = req.respond(resp);
-    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,199 @@
+"""Attacks on a real `memkv serve` from outside that once exhausted it: floods of its metrics port,
+a low open-files limit turned into a lockout, and requests that announce more than they send.
+Each test drives the real server with raw sockets and failed against the server before its fix."""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from test_server import (
+    GET,
+    HELLO,
+    PING,
+    PUT,
+    STATS,
+    assert_closed_with_error,
+    connect,
+    header,
+    hello,
+    key_lens,
+)
+from test_server_limits import KEY, MALFORMED, STALLED, authed, error_code, round_trip_s, rss
+
+from memkv_vllm.client import MemKVClient, Status
+from memkv_vllm.config import MemKVConfig
+
+
+def proc_status(srv, field: str) -> int:
+    for line in Path(f"/proc/{srv.proc.pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field}")
+
+
+def open_fds(srv) -> int:
+    return len(list(Path(f"/proc/{srv.proc.pid}/fd").iterdir()))
+
+
+def metrics_port(srv) -> int:
+    for line in srv.log().splitlines():
+        if " metrics=127.0.0.1:" in line:
+            return int(line.split(" metrics=127.0.0.1:")[1].split()[0])
+    raise AssertionError(srv.log())
+
+
+def scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def test_metrics_port_floods_cost_neither_threads_nor_memory(memkv_server_factory):
+    srv = memkv_server_factory(memory="64M", auth_key=KEY, metrics=True)
+    port = metrics_port(srv)
+    assert "memkv_items 0" in scrape(port)
+    threads, base = proc_status(srv, "Threads"), rss(srv)
+    # Silent connections: each once took a thread of the HTTP server, without limit.
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(400)]
+    # A peer pipelining requests without reading the replies: they were queued without limit.
+    pipe = socket.create_connection(("127.0.0.1", port), timeout=5)
+    pipe.setblocking(False)
+    requests = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 4096
+    sent, t = 0, time.monotonic()
+    while sent < 64 << 20 and time.monotonic() - t < 3:
+        try:
+            sent += pipe.send(requests)
+        except BlockingIOError:
+            time.sleep(0.01)
+        except OSError:  # answered once and closed: the rest is never read
+            break
+    try:
+        assert proc_status(srv, "Threads") <= threads + 1
+        assert open_fds(srv) <= 64
+        assert rss(srv) - base < 16 << 20
+        # A scraper still gets in (the oldest silent connections give way), and so do clients.
+        assert "memkv_items 0" in scrape(port)
+        assert round_trip_s(srv) < 1.0
+    finally:
+        for s in [*silent, pipe]:
+            s.close()
+    for head, status in [(b"GET /other HTTP/1.1\r\n\r\n", b"404"),
+                         (b"POST /metrics HTTP/1.1\r\n\r\n", b"405"),
+                         (b"x" * (8 << 10), b"431"),  # a head longer than 8 KiB
+                         (header(GET, 0), b"")]:  # not HTTP; ends before its head did
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(head)
+        s.shutdown(socket.SHUT_WR)
+        reply = s.recv(4096)
+        s.close()
+        assert (reply.split(b" ")[1] if reply else b"") == status, reply
+    assert srv.alive()
+
+
+@pytest.mark.parametrize("nofile,serves", [("256:4096", 1024), ("256", 96)])
+def test_the_open_files_limit_cannot_lock_out_a_client_with_the_key(
+        memkv_server_factory, nofile, serves):
+    """Each connection holds two descriptors. Out of descriptors, the server could not accept the
+    connection that would close the oldest unauthenticated one, so 128 silent sockets under a
+    256-descriptor limit locked a client with the key out. The server raises its soft limit to
+    what --max-connections needs; where the hard limit is lower it serves fewer connections."""
+    srv = memkv_server_factory(memory="16M", auth_key=KEY, wrapper=["prlimit", f"--nofile={nofile}",
+                                                                    "--"],
+                               extra=["--handshake-timeout", "30"])
+    limits = Path(f"/proc/{srv.proc.pid}/limits").read_text()
+    soft = int(next(ln for ln in limits.splitlines() if ln.startswith("Max open files")).split()[3])
+    assert soft >= min(4096, 2 * 1024 + 64) if serves == 1024 else soft == 256
+    silent = [connect(srv) for _ in range(300)]
+    try:
+        assert round_trip_s(srv) < 1.0
+    finally:
+        for s in silent:
+            s.close()
+    assert ("serving_connections=96" in srv.log()) == (serves == 96), srv.log()
+
+
+def test_a_request_that_stops_sending_is_cut_off_whatever_size_it_announced(
+        memkv_server_factory):
+    """The deadline of a request counted the payload length its header announces, before the
+    key table vouched for it: four PUTs announcing 16 MiB bodies and 2^62 payload bytes held the
+    whole buffer budget for decades, and every other client's request got BUSY. A request must
+    now keep pace with the minimum rate as its bytes arrive."""
+    srv = memkv_server_factory(memory="256M", auth_key=KEY, extra=["--frame-timeout", "1"])
+    liars = []
+    for _ in range(4):
+        s = authed(srv)
+        s.sendall(header(PUT, 16 << 20, payload_len=1 << 62))
+        liars.append(s)
+    # Clients wait for the budget for up to the frame timeout; the liars fall behind their pace
+    # at the frame timeout, so a client is served within two of them.
+    t = time.monotonic()
+    while True:
+        try:
+            round_trip_s(srv)
+            break
+        except AssertionError:
+            assert time.monotonic() - t < 2.5, "no client served while the liars hold the budget"
+    for s in liars:
+        s.settimeout(10)
+        assert error_code(s) == STALLED
+    assert time.monotonic() - t < 5
+    # A well-formed table whose one value is far over the limit: its bytes would be read and
+    # discarded, at 1 MiB/s over 2^50 bytes.
+    body = key_lens([(b"huge", 1 << 50)])
+    huge = authed(srv)
+    huge.settimeout(10)
+    t = time.monotonic()
+    huge.sendall(header(PUT, len(body), payload_len=1 << 50) + body)
+    assert error_code(huge) == STALLED
+    assert time.monotonic() - t < 5
+
+
+def test_a_reader_that_takes_nothing_is_cut_off_whatever_the_size_of_its_reply(
+        memkv_server_factory):
+    """A 64 MiB reply was due within the frame timeout plus 8 s at 8 MiB/s, pins held all along,
+    however little of it the reader took; now it must be taken at the minimum rate as it goes."""
+    srv = memkv_server_factory(memory="256M", lanes=1, extra=["--frame-timeout", "1",
+                                                              "--min-rate", "8M"])
+    c = MemKVClient(MemKVConfig(servers=(srv.address,)))
+    assert c.put([b"big"], [b"b" * (64 << 20)]) == [Status.OK]
+    s = connect(srv)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    hello(s)
+    body = key_lens([(b"big", 64 << 20)])
+    s.sendall(header(GET, len(body)) + body)
+    t = time.monotonic()
+    while srv.stats()["in_transfer_bytes"] and time.monotonic() - t < 30:
+        time.sleep(0.2)
+    assert time.monotonic() - t < 5, "pins held past the reply's pace"
+    assert srv.stats()["errors"]["stalled"] == 1
+    s.close()
+
+
+def test_a_peer_trickling_its_handshake_is_closed_at_the_handshake_timeout(memkv_server_factory):
+    """Only the first byte of a handshake frame had to come within the handshake timeout; the
+    rest had the frame timeout, so a peer sending its HELLO a byte at a time held its connection
+    for both. The handshake timeout now bounds every byte before authentication."""
+    srv = memkv_server_factory(memory="16M", auth_key=KEY, extra=["--handshake-timeout", "1"])
+    s = connect(srv)
+    t = time.monotonic()
+    for b in header(HELLO, 0):
+        s.send(bytes([b]))
+        # The trickle's pace; the server's answer ends it early.
+        if select.select([s], [], [], 0.1)[0]:
+            break
+    s.settimeout(5)
+    assert error_code(s) == STALLED
+    assert time.monotonic() - t < 2.5
+
+
+@pytest.mark.parametrize("op", [HELLO, PING, STATS])
+def test_a_body_on_a_request_that_takes_none_is_refused_unread(memkv_server_factory, op):
+    """HELLO (after authentication), PING and STATS take no body; one was read into the buffer
+    budget and ignored. Now it is a malformed frame, refused before its body is read."""
+    srv = memkv_server_factory(memory="16M", auth_key=KEY)
+    s = authed(srv)
+    s.sendall(header(op, 16 << 20) + b"x" * 100)
+    assert_closed_with_error(s, MALFORMED)
