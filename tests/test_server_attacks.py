@@ -83,7 +83,7 @@ def test_metrics_port_floods_cost_neither_threads_nor_memory(memkv_server_factor
     for head, status in [(b"GET /other HTTP/1.1\r\n\r\n", b"404"),
                          (b"POST /metrics HTTP/1.1\r\n\r\n", b"405"),
                          (b"x" * (8 << 10), b"431"),  # a head longer than 8 KiB
-                         (header(GET, 0), b"")]:  # not HTTP; ends before its head did
+                         (header(GET, 0), b"400")]:  # a memkv frame: not HTTP
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
         s.sendall(head)
         s.shutdown(socket.SHUT_WR)

@@ -2,9 +2,10 @@
 //! like the data port's. One thread serves every connection (poll), at most `MAX_OPEN` at once
 //! (a new one closes the oldest, so silent peers cannot keep a scraper out), reads at most
 //! `MAX_HEAD` bytes of a request head, answers once and closes, and gives each connection
-//! `DEADLINE` for all of it. A general-purpose HTTP server does not fit here: tiny_http, used
-//! before, starts a thread for every connection and queues every request a peer pipelines
-//! without reading the replies, so a flood of either grew the process without bound.
+//! `DEADLINE` for all of it; `httparse` reads the head. A general-purpose HTTP server does not
+//! fit here: tiny_http, used before, starts a thread for every connection and queues every
+//! request a peer pipelines without reading the replies, so a flood of either grew the process
+//! without bound.
 
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
@@ -61,12 +62,10 @@ impl Exchange {
                     return;
                 }
             }
-            let whole = self.head.windows(4).any(|w| w == b"\r\n\r\n")
-                || self.head.windows(2).any(|w| w == b"\n\n");
-            if !whole && self.head.len() < MAX_HEAD {
-                return;
+            match respond(&self.head, store) {
+                Some(reply) => self.reply = Some((reply, 0)),
+                None => return,
             }
-            self.reply = Some((respond(&self.head, whole, store), 0));
         }
         let Some((reply, sent)) = &mut self.reply else {
             return;
@@ -90,25 +89,28 @@ impl Exchange {
     }
 }
 
-/// The reply to a request head (`whole`: it ended within `MAX_HEAD`).
-fn respond(head: &[u8], whole: bool, store: &Store) -> Vec<u8> {
-    let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
-    let mut words = line
-        .split(|b| b.is_ascii_whitespace())
-        .filter(|w| !w.is_empty());
-    let (method, target) = (words.next(), words.next());
-    let path = target.map(|t| t.split(|&b| b == b'?').next().unwrap_or_default());
-    let (status, body) = match (whole, method, path) {
-        (false, ..) => (
+/// The reply to the request head received so far, or None while it is incomplete and may
+/// still grow (httparse reads it; a head that reaches `MAX_HEAD` unfinished is refused).
+fn respond(head: &[u8], store: &Store) -> Option<Vec<u8>> {
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut req = httparse::Request::new(&mut headers);
+    let (status, body) = match req.parse(head) {
+        Ok(httparse::Status::Partial) if head.len() < MAX_HEAD => return None,
+        Ok(httparse::Status::Partial) | Err(httparse::Error::TooManyHeaders) => (
             "431 Request Header Fields Too Large",
             "request head too long\n".into(),
         ),
-        (_, Some(b"GET" | b"HEAD"), Some(b"/metrics")) => {
-            ("200 OK", store.metrics.to_prometheus(&store.lane_stats()))
+        Err(_) => ("400 Bad Request", "GET /metrics\n".into()),
+        Ok(httparse::Status::Complete(_)) => {
+            let path = req.path.unwrap_or_default();
+            match (req.method, path.split('?').next()) {
+                (Some("GET" | "HEAD"), Some("/metrics")) => {
+                    ("200 OK", store.metrics.to_prometheus(&store.lane_stats()))
+                }
+                (Some("GET" | "HEAD"), _) => ("404 Not Found", "see /metrics\n".into()),
+                _ => ("405 Method Not Allowed", "GET /metrics\n".into()),
+            }
         }
-        (_, Some(b"GET" | b"HEAD"), Some(_)) => ("404 Not Found", "see /metrics\n".into()),
-        (_, Some(_), Some(_)) => ("405 Method Not Allowed", "GET /metrics\n".into()),
-        _ => ("400 Bad Request", "GET /metrics\n".into()),
     };
     let mut out = format!(
         "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n\
@@ -116,10 +118,10 @@ fn respond(head: &[u8], whole: bool, store: &Store) -> Vec<u8> {
         body.len()
     )
     .into_bytes();
-    if method != Some(b"HEAD") {
+    if req.method != Some("HEAD") {
         out.extend_from_slice(body.as_bytes());
     }
-    out
+    Some(out)
 }
 
 /// Serves `listener` (non-blocking) until `stop` is set.
@@ -190,23 +192,38 @@ fn accept_all(listener: &TcpListener, open: &mut VecDeque<Exchange>) {
 mod tests {
     use super::*;
 
-    fn status(head: &[u8]) -> String {
+    fn status(head: &[u8]) -> Option<String> {
         let store = Store::new(4 << 20, 1, 0.5).unwrap();
-        let out = respond(head, !head.ends_with(b"x"), &store);
-        String::from_utf8_lossy(&out[9..12]).into_owned()
+        let out = respond(head, &store)?;
+        Some(String::from_utf8_lossy(&out[9..12]).into_owned())
     }
 
     #[test]
     fn answers_get_metrics_and_refuses_the_rest() {
         let store = Store::new(4 << 20, 1, 0.5).unwrap();
-        let ok = respond(b"GET /metrics?x=1 HTTP/1.1\r\n\r\n", true, &store);
+        let ok = respond(b"GET /metrics?x=1 HTTP/1.1\r\nHost: a\r\n\r\n", &store).unwrap();
         let text = String::from_utf8(ok).unwrap();
         assert!(text.starts_with("HTTP/1.1 200 OK\r\n") && text.contains("memkv_items 0"));
-        let head = respond(b"HEAD /metrics HTTP/1.1\r\n\r\n", true, &store);
+        let head = respond(b"HEAD /metrics HTTP/1.1\r\n\r\n", &store).unwrap();
         assert!(String::from_utf8(head).unwrap().ends_with("\r\n\r\n"));
-        assert_eq!(status(b"GET / HTTP/1.1\r\n\r\n"), "404");
-        assert_eq!(status(b"POST /metrics HTTP/1.1\r\n\r\n"), "405");
-        assert_eq!(status(b"\r\n\r\n"), "400");
-        assert_eq!(status(&[b'x'; MAX_HEAD]), "431");
+        assert_eq!(status(b"GET / HTTP/1.1\r\n\r\n").as_deref(), Some("404"));
+        assert_eq!(
+            status(b"POST /metrics HTTP/1.1\r\n\r\n").as_deref(),
+            Some("405")
+        );
+        assert_eq!(status(b"\x01\x02 garbage\r\n\r\n").as_deref(), Some("400"));
+        assert_eq!(
+            status(b"GET /metrics HTTP/1.1\r\nHost:"),
+            None,
+            "a head still arriving"
+        );
+        assert_eq!(status(&[b'x'; MAX_HEAD]).as_deref(), Some("431"));
+        let many: Vec<u8> = [
+            &b"GET /metrics HTTP/1.1\r\n"[..],
+            &b"A: b\r\n".repeat(40),
+            b"\r\n",
+        ]
+        .concat();
+        assert_eq!(status(&many).as_deref(), Some("431"));
     }
 }
