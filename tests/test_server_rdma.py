@@ -330,6 +330,34 @@ def test_rdma_endpoints_are_bounded_and_given_back(memkv_server_factory, endpoin
     assert srv.stats()["errors"]["rdma_refused"] >= 2
 
 
+def test_a_server_of_other_rxm_buffers_refuses_rdma_and_serves_auto_over_tcp(
+        memkv_server_factory, endpoints, monkeypatch):
+    """The user's FI_OFI_RXM_BUFFER_SIZE wins over memkv's: this server keeps rxm's default
+    buffers and names its provider as a memkv that never set them does. rxm would refuse its
+    connections to this process's endpoints (256-byte buffers), so RDMA_HELLO is refused with
+    the reason and an `auto` client moves its values over TCP instead of stalling."""
+    monkeypatch.setenv("FI_OFI_RXM_BUFFER_SIZE", "16384")
+    srv = memkv_server_factory(memory="16M", lanes=1, extra=RDMA_ARGS)
+    monkeypatch.delenv("FI_OFI_RXM_BUFFER_SIZE")
+    assert "rxm=memkv set FI_OFI_RXM_MSG_RX_SIZE=16; the user's FI_OFI_RXM_BUFFER_SIZE=16384" in (
+        srv.log())
+    ep = endpoints(4096)
+    s = connect(srv)
+    hello(s)
+    p = Peer.__new__(Peer)
+    p.ep, p.s = ep, s
+    assert p.rdma_hello(ep.provider().encode(), ep.address()) == (
+        False, "the server's libfabric provider is \"tcp;ofi_rxm\", the client's "
+               "\"tcp;ofi_rxm with 256-byte rxm buffers\"")
+    auto = MemKVClient(MemKVConfig(servers=(srv.address,), transport="auto",
+                                   rdma_devices=("lo",)))
+    value = bytes(range(256)) * 4096
+    d = bytearray(len(value))
+    assert auto.put([b"a"], [value]) == [Status.OK]
+    assert auto.get_into([b"a"], [d]) == [Status.OK] and d == value
+    auto.close()
+
+
 def rss(pid: int | str = "self") -> int:
     for line in open(f"/proc/{pid}/status"):
         if line.startswith("VmRSS:"):
@@ -339,7 +367,7 @@ def rss(pid: int | str = "self") -> int:
 
 # What one RDMA connection may cost in resident memory, in the server and in the client: about
 # 2.5 MiB over tcp;ofi_rxm with memkv's rxm sizes (docs/rdma.md, "Memory per connection"), 85
-# MiB (server) and 73 MiB (client) with rxm's defaults.
+# MiB (server) and 71 MiB (client) with rxm's defaults.
 ENDPOINT_RSS = 8 * MIB
 CONNECTIONS = 8
 

@@ -144,10 +144,11 @@ pub fn apply(init: impl FnOnce() -> bool) -> Option<Tuning> {
 /// reach each other are refused at once rather than stall in their first transfer: rxm accepts
 /// a connection only between endpoints of one eager limit, which is its buffer size (1.17 and
 /// 2.x: `Tuning::rxm_buffer_size`), and that size is this process's setting (memkv's, or the
-/// user's `FI_OFI_RXM_BUFFER_SIZE`), which may differ from the peer's.
-/// Other providers are named as fi_getinfo names them.
+/// user's `FI_OFI_RXM_BUFFER_SIZE`), which may differ from the peer's. rxm's default size goes
+/// unnamed, as memkv named it before it set the size, so that such peers still meet. Other
+/// providers are named as fi_getinfo names them.
 pub fn hello_name(provider: &str, buffer_size: &str) -> String {
-    if is_rxm(provider) {
+    if is_rxm(provider) && buffer_size != RXM_DEFAULT_BUFFER_SIZE {
         format!("{provider} with {buffer_size}-byte rxm buffers")
     } else {
         provider.to_string()
@@ -207,9 +208,11 @@ mod tests {
             "tcp;ofi_rxm with 256-byte rxm buffers"
         );
         assert_eq!(
-            hello_name("verbs;ofi_rxm", "16384"),
-            "verbs;ofi_rxm with 16384-byte rxm buffers"
+            hello_name("verbs;ofi_rxm", "4096"),
+            "verbs;ofi_rxm with 4096-byte rxm buffers"
         );
+        // rxm's default: the name a memkv that did not set the size sends.
+        assert_eq!(hello_name("tcp;ofi_rxm", "16384"), "tcp;ofi_rxm");
         assert_eq!(hello_name("efa", "256"), "efa");
         assert_eq!(hello_name("shm", "256"), "shm");
     }
