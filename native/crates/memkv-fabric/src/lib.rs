@@ -8,7 +8,9 @@
 //! drives the provider's progress for a passive side (`Endpoint::progress`).
 //!
 //! Which provider: `verbs` (InfiniBand/RoCE) and `efa` where the hardware is, `tcp` (and
-//! `sockets`) anywhere, which is how the tests run the real path over loopback.
+//! `sockets`) anywhere, which is how the tests run the real path over loopback. Over the rxm
+//! layer (`verbs;ofi_rxm`, `tcp;ofi_rxm`) the endpoints get small message buffers, which they do
+//! not use (`tuning`).
 
 pub mod memory;
 mod mr;

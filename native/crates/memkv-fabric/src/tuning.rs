@@ -19,20 +19,14 @@
 //! `fi_info` the endpoints are opened with instead (`RX_SIZE`), which touches nothing else.
 //! Only rxm reads these names: efa, shm and the other providers are unaffected.
 
-/// rxm's process-wide sizes memkv sets where the environment does not: (variable, value, why).
-pub const RXM_TUNING: [(&str, &str, &str); 2] = [
-    (
-        "FI_OFI_RXM_BUFFER_SIZE",
-        "256",
-        "bounce-buffer bytes (default 16384): RMA copies nothing through them; rxm also makes \
-         it the inject and eager-message limit, which memkv does not use",
-    ),
-    (
-        "FI_OFI_RXM_MSG_RX_SIZE",
-        "16",
-        "receive buffers preposted per endpoint (default 4096 over tcp, 128 elsewhere): RMA \
-         consumes none",
-    ),
+/// rxm's process-wide sizes memkv sets where the environment does not: (variable, value).
+pub const RXM_TUNING: [Setting; 2] = [
+    // Bounce-buffer bytes (default 16384): RMA copies nothing through them; rxm also makes it
+    // the inject and eager-message limit, which memkv does not use.
+    ("FI_OFI_RXM_BUFFER_SIZE", "256"),
+    // Receive buffers preposted per endpoint (default 4096 over tcp, 128 elsewhere): RMA
+    // consumes none.
+    ("FI_OFI_RXM_MSG_RX_SIZE", "16"),
 ];
 
 /// The variable of rxm's buffer size, and its default (libfabric 1.17 and 2.x).
@@ -111,7 +105,7 @@ impl std::fmt::Display for Tuning {
 /// variable set to anything, even empty, is the user's and wins); and the user's values.
 pub fn to_set(user: impl Fn(&str) -> Option<String>) -> (Vec<Setting>, Vec<UserSetting>) {
     let (mut set, mut users) = (Vec::new(), Vec::new());
-    for &(k, v, _) in &RXM_TUNING {
+    for &(k, v) in &RXM_TUNING {
         match user(k) {
             Some(u) => users.push((k, u)),
             None => set.push((k, v)),
