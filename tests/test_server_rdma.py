@@ -188,7 +188,14 @@ def test_broken_handshakes_are_refused_with_their_reason(memkv_server_factory, e
     # Another provider's client, an address of the wrong length, a name that is not UTF-8.
     p = Peer(srv, ep, authed(srv))
     assert p.rdma_hello(b"verbs;ofi_rxm", ep.address()) == (
-        False, "the server's libfabric provider is \"tcp;ofi_rxm\", the client's \"verbs;ofi_rxm\"")
+        False, "the server's libfabric provider is \"tcp;ofi_rxm with 256-byte rxm buffers\", "
+               "the client's \"verbs;ofi_rxm\"")
+    # The same provider with rxm buffers of another size (FI_OFI_RXM_BUFFER_SIZE set on one side
+    # only, or a memkv that left rxm's default): rxm would refuse the server's connection to it
+    # and every transfer would stall until its deadline, so it is refused here, with the reason.
+    assert p.rdma_hello(b"tcp;ofi_rxm", ep.address()) == (
+        False, "the server's libfabric provider is \"tcp;ofi_rxm with 256-byte rxm buffers\", "
+               "the client's \"tcp;ofi_rxm\"")
     ok, why = p.rdma_hello(ep.provider().encode(), b"\1\2\3")
     assert not ok and "3-byte endpoint address" in why
     p.s.sendall(frame(RDMA_HELLO, rdma_hello_body(b"\xff\xfe", ep.address())))
@@ -199,7 +206,7 @@ def test_broken_handshakes_are_refused_with_their_reason(memkv_server_factory, e
     s.sendall(frame(PUT, descriptors([(b"k", 10, 0, 0)]), FLAG_RDMA))
     op, body, _ = read_frame(s)
     assert op == ERROR and b"before RDMA_HELLO" in body
-    assert srv.stats()["errors"]["rdma_refused"] == 2
+    assert srv.stats()["errors"]["rdma_refused"] == 3
 
 
 def test_a_server_without_rdma_refuses_the_handshake_and_keeps_the_connection(
@@ -297,7 +304,7 @@ def test_cli_bench_over_rdma_prints_its_figures_beside_tcps():
 
 
 def test_rdma_endpoints_are_bounded_and_given_back(memkv_server_factory, endpoints):
-    """Each RDMA connection costs the provider's own buffers outside --memory (about 85 MiB
+    """Each RDMA connection costs the provider's own buffers outside --memory (about 2.5 MiB
     over tcp;ofi_rxm), so their number is bounded: RDMA_HELLO past it is refused with the
     reason, a closed connection gives its endpoint back, and `auto` clients fall back to TCP."""
     srv = memkv_server_factory(memory="16M", lanes=1,
@@ -321,3 +328,93 @@ def test_rdma_endpoints_are_bounded_and_given_back(memkv_server_factory, endpoin
         assert time.monotonic() < deadline, "a closed connection kept its endpoint"
         time.sleep(0.05)
     assert srv.stats()["errors"]["rdma_refused"] >= 2
+
+
+def test_a_server_of_other_rxm_buffers_refuses_rdma_and_serves_auto_over_tcp(
+        memkv_server_factory, endpoints, monkeypatch):
+    """The user's FI_OFI_RXM_BUFFER_SIZE wins over memkv's: this server keeps rxm's default
+    buffers and names its provider as a memkv that never set them does. rxm would refuse its
+    connections to this process's endpoints (256-byte buffers), so RDMA_HELLO is refused with
+    the reason and an `auto` client moves its values over TCP instead of stalling."""
+    monkeypatch.setenv("FI_OFI_RXM_BUFFER_SIZE", "16384")
+    srv = memkv_server_factory(memory="16M", lanes=1, extra=RDMA_ARGS)
+    monkeypatch.delenv("FI_OFI_RXM_BUFFER_SIZE")
+    assert "rxm=memkv set FI_OFI_RXM_MSG_RX_SIZE=16; the user's FI_OFI_RXM_BUFFER_SIZE=16384" in (
+        srv.log())
+    ep = endpoints(4096)
+    s = connect(srv)
+    hello(s)
+    p = Peer.__new__(Peer)
+    p.ep, p.s = ep, s
+    assert p.rdma_hello(ep.provider().encode(), ep.address()) == (
+        False, "the server's libfabric provider is \"tcp;ofi_rxm\", the client's "
+               "\"tcp;ofi_rxm with 256-byte rxm buffers\"")
+    auto = MemKVClient(MemKVConfig(servers=(srv.address,), transport="auto",
+                                   rdma_devices=("lo",)))
+    value = bytes(range(256)) * 4096
+    d = bytearray(len(value))
+    assert auto.put([b"a"], [value]) == [Status.OK]
+    assert auto.get_into([b"a"], [d]) == [Status.OK] and d == value
+    auto.close()
+
+
+def rss(pid: int | str = "self") -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+# What one RDMA connection may cost in resident memory, in the server and in the client: about
+# 2.5 MiB over tcp;ofi_rxm with memkv's rxm sizes (docs/rdma.md, "Memory per connection"), 85
+# MiB (server) and 71 MiB (client) with rxm's defaults.
+ENDPOINT_RSS = 8 * MIB
+CONNECTIONS = 8
+
+
+def test_an_rdma_connection_costs_the_server_a_few_mib(memkv_server_factory, endpoints):
+    """The server's RSS grows by less than ENDPOINT_RSS per RDMA connection that moved a 1 MiB
+    value each way (the rxm buffers are allocated by then), values byte-exact; its default bound
+    on such connections is sized by that cost."""
+    srv = memkv_server_factory(memory="16M", lanes=1, extra=RDMA_ARGS)
+    ep = endpoints(2 * MIB)
+    value = bytes((i * 13 + i // 256) % 256 for i in range(MIB))
+    ep.write(0, value)
+    assert srv.proc is not None
+    before = rss(srv.proc.pid)
+    peers = [Peer(srv, ep) for _ in range(CONNECTIONS)]
+    for i, p in enumerate(peers):
+        ep.write(MIB, b"\0" * MIB)
+        assert p.put(p.desc(b"v%d" % i, 0, MIB)) == [Status.OK]
+        assert p.get(p.desc(b"v%d" % i, MIB, MIB)) == [(Status.OK, MIB)]
+        assert ep.read(MIB, MIB) == value
+    grown = rss(srv.proc.pid) - before
+    assert grown < CONNECTIONS * ENDPOINT_RSS, (
+        f"{CONNECTIONS} RDMA connections grew the server's RSS by {grown / MIB:.0f} MiB")
+    out = subprocess.run(memkv_command() + ["serve", "--help"], capture_output=True, text=True,
+                         timeout=30)
+    assert "--max-rdma-connections <MAX_RDMA_CONNECTIONS>" in out.stdout
+    assert "[default: 256]" in out.stdout.split("--max-rdma-connections")[1].split("\n  -")[0]
+
+
+def test_an_rdma_connection_costs_the_client_a_few_mib(memkv_server_factory):
+    """This process's RSS grows by less than ENDPOINT_RSS per RDMA connection of a client that
+    fanned a batch out over CONNECTIONS of them (each moving its values both ways, byte-exact)."""
+    srv = memkv_server_factory(memory="64M", lanes=1, extra=RDMA_ARGS)
+    n = 4 * CONNECTIONS  # the client sends four values per connection of a fanned-out batch
+    keys = [b"c%d" % i for i in range(n)]
+    values = [bytes([i]) * (256 << 10) for i in range(n)]
+    bufs = [bytearray(len(v)) for v in values]
+    before = rss()
+    c = MemKVClient(MemKVConfig(servers=(srv.address,), transport="rdma", rdma_devices=("lo",),
+                                connections_per_server=CONNECTIONS))
+    try:
+        assert c.put(keys, values) == [Status.OK] * n
+        assert c.get_into(keys, bufs) == [Status.OK] * n and bufs == values
+        grown = rss() - before
+        opened = srv.stats()["connections"] - 1  # less the stats request's own
+        assert opened >= 2, "the batch did not fan out"
+        assert grown < opened * ENDPOINT_RSS, (
+            f"{opened} RDMA connections grew the client's RSS by {grown / MIB:.0f} MiB")
+    finally:
+        c.close()

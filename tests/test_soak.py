@@ -40,9 +40,10 @@ AS_OVERHEAD = 512 * MIB
 # the buffer budget plus code, stacks and allocator slack.
 RSS_OVERHEAD = 96 * MIB
 # The RDMA connections the attacked server allows (--max-rdma-connections) and what each may
-# cost in the libfabric provider's own buffers (about 85 MiB over tcp;ofi_rxm, docs/rdma.md).
+# cost in the libfabric provider's own buffers (about 2.5 MiB over tcp;ofi_rxm with memkv's rxm
+# sizes, docs/rdma.md "Memory per connection").
 RDMA_ENDPOINTS = 2
-RDMA_ENDPOINT_RSS = 96 * MIB
+RDMA_ENDPOINT_RSS = 8 * MIB
 SOAK_SECS = float(os.environ.get("SOAK_SECS", "45"))
 
 pytestmark = pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit")

@@ -138,7 +138,7 @@ impl Conn {
         if let Some(side) = c.link.rdma() {
             let (strict, body) = (
                 side.strict,
-                proto::encode_rdma_hello(side.provider(), &side.name()?),
+                proto::encode_rdma_hello(side.hello_name(), &side.name()?),
             );
             let (_, rb) = c.call(Opcode::RdmaHello, &body, &[])?;
             let (accepted, why) = proto::decode_rdma_hello_reply(&rb)?;

@@ -103,6 +103,11 @@ impl RdmaSide {
         &self.ep.fabric().provider
     }
 
+    /// The provider as RDMA_HELLO names it to the server (`Fabric::hello_name`).
+    pub fn hello_name(&self) -> &str {
+        &self.ep.fabric().hello_name
+    }
+
     /// This link's endpoint address, for the server.
     pub fn name(&self) -> io::Result<Vec<u8>> {
         self.ep.name().map_err(io::Error::other)

@@ -87,6 +87,13 @@ uint64_t mk_info_caps(const struct fi_info *info) { return info->caps; }
 /* Whether the provider's endpoint addresses are NUL-terminated strings of varying length (shm:
  * FI_ADDR_STR) rather than structures of one size (sockaddr, verbs, efa). */
 int mk_info_addr_str(const struct fi_info *info) { return info->addr_format == FI_ADDR_STR; }
+/* Caps the receive queue of endpoints opened with `info` at `size` entries (memkv posts no
+ * receive; see tuning.rs). */
+void mk_info_shrink_rx(struct fi_info *info, size_t size)
+{
+	if (info->rx_attr->size > size)
+		info->rx_attr->size = size;
+}
 
 int mk_open_domain(const struct mk_api *api, struct fi_info *info, struct fid_fabric **fabric,
 		   struct fid_domain **domain)

@@ -8,11 +8,14 @@
 //! drives the provider's progress for a passive side (`Endpoint::progress`).
 //!
 //! Which provider: `verbs` (InfiniBand/RoCE) and `efa` where the hardware is, `tcp` (and
-//! `sockets`) anywhere, which is how the tests run the real path over loopback.
+//! `sockets`) anywhere, which is how the tests run the real path over loopback. Over the rxm
+//! layer (`verbs;ofi_rxm`, `tcp;ofi_rxm`) the endpoints get small message buffers, which they do
+//! not use (`tuning`).
 
 pub mod memory;
 mod mr;
 mod sys;
+mod tuning;
 
 use std::ffi::{c_int, c_void, CString};
 use std::os::fd::RawFd;
@@ -23,6 +26,7 @@ use std::time::{Duration, Instant};
 pub use memory::Memory;
 pub use mr::{Mr, MrCache};
 use sys::{FiInfo, Fid, Lib};
+pub use tuning::Tuning;
 
 /// A libfabric call that failed: which call, libfabric's error code (positive; 0 for a failure
 /// of memkv's own, such as a library that cannot be loaded) and its text.
@@ -75,6 +79,12 @@ type Result<T> = std::result::Result<T, FabricError>;
 pub fn probe() -> std::result::Result<String, String> {
     let l = Lib::get()?;
     Ok(format!("{}.{}", l.version >> 16, l.version & 0xffff))
+}
+
+/// What memkv set of libfabric's rxm sizes in this process (docs/rdma.md, "Memory per
+/// connection"), or why libfabric cannot be loaded.
+pub fn tuning() -> std::result::Result<Tuning, String> {
+    Lib::get().map(|l| l.tuning.clone())
 }
 
 /// How the server knows a GET's bytes are in the client's memory before it replies (on the TCP
@@ -141,6 +151,9 @@ pub struct Fabric {
     fabric: Fid,
     domain: Fid,
     pub provider: String,
+    /// How endpoints of this domain name their provider to a peer (RDMA_HELLO): `provider`, and
+    /// for rxm its buffer size (`tuning::hello_name`).
+    pub hello_name: String,
     /// The provider's domain: the NIC (`mlx5_0`, `rdmap0s6-rdm`) or, for tcp, the interface
     /// (`lo`).
     pub domain_name: String,
@@ -428,6 +441,13 @@ impl Found {
     /// Opens the fabric and domain of the entry found; the `Fabric` takes the list.
     fn open(mut self, write_completion: WriteCompletion) -> Result<Arc<Fabric>> {
         let (lib, info) = (self.lib, self.info);
+        // SAFETY: `info` is a valid entry of the list this Found owns.
+        let prov = unsafe { sys::cstr(sys::mk_info_prov(info)) };
+        if tuning::shrinks_rx(&prov, std::env::var_os(tuning::RX_SIZE_VAR).is_some()) {
+            // The endpoints are opened with this entry, so their receive queues take its size.
+            // SAFETY: as above; nothing has been opened with the entry yet.
+            unsafe { sys::mk_info_shrink_rx(info, tuning::RX_SIZE) };
+        }
         let (mut fabric, mut domain) = (std::ptr::null_mut(), std::ptr::null_mut());
         // SAFETY: `info` is a valid entry; the out pointers are ours.
         let r = unsafe { sys::mk_open_domain(&lib.api, info, &mut fabric, &mut domain) };
@@ -444,7 +464,8 @@ impl Found {
                 info,
                 fabric,
                 domain,
-                provider: sys::cstr(sys::mk_info_prov(info)),
+                provider: prov.clone(),
+                hello_name: tuning::hello_name(&prov, &lib.tuning.rxm_buffer_size()),
                 domain_name: sys::cstr(sys::mk_info_domain(info)),
                 write_completion,
                 virt_addr: mr_mode & sys::mk_mr_virt_addr() != 0,
@@ -541,34 +562,8 @@ fn cuda_reach(lib: &Lib, what: &str, hmem: bool) -> std::result::Result<String, 
 /// Whether the loaded libfabric defines the parameter `name` (`fi_getparams` lists them by
 /// their environment variables' names).
 fn libfabric_has_param(lib: &Lib, name: &str) -> bool {
-    #[repr(C)]
-    struct FiParam {
-        name: *const std::ffi::c_char,
-        kind: c_int,
-        help: *const std::ffi::c_char,
-        value: *const std::ffi::c_char,
-    }
-    type GetParams = unsafe extern "C" fn(*mut *mut FiParam, *mut c_int) -> c_int;
-    type FreeParams = unsafe extern "C" fn(*mut FiParam);
-    // SAFETY: both functions have the C signatures of fabric.h's fi_getparams and
-    // fi_freeparams, and `struct fi_param` is four pointer-sized fields.
-    unsafe {
-        let (Some(get), Some(free)) = (
-            lib.optional::<GetParams>(b"fi_getparams\0"),
-            lib.optional::<FreeParams>(b"fi_freeparams\0"),
-        ) else {
-            return false;
-        };
-        let (mut params, mut count) = (std::ptr::null_mut(), 0 as c_int);
-        if get(&mut params, &mut count) != 0 || params.is_null() {
-            return false;
-        }
-        let found = std::slice::from_raw_parts(params, count.max(0) as usize)
-            .iter()
-            .any(|p| sys::cstr(p.name) == name);
-        free(params);
-        found
-    }
+    lib.param_names()
+        .is_some_and(|names| names.iter().any(|n| n == name))
 }
 
 /// One remote operation of a batch: moves `len` bytes between local memory at `local`

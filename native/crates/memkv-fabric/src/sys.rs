@@ -11,6 +11,8 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::OnceLock;
 
+use crate::tuning::{self, Tuning};
+
 /// Opaque libfabric objects; only pointers to them cross the boundary.
 #[repr(C)]
 pub struct FiInfo {
@@ -39,6 +41,8 @@ pub struct Lib {
     pub api: Api,
     strerror: unsafe extern "C" fn(c_int) -> *const c_char,
     pub version: u32,
+    /// What memkv set of rxm's sizes before libfabric initialised (`tuning`).
+    pub tuning: Tuning,
     /// Keeps the library mapped for as long as the process runs.
     lib: libloading::Library,
 }
@@ -69,6 +73,13 @@ impl Lib {
 
     fn load(name: &std::ffi::OsStr) -> Result<Lib, String> {
         let shown = name.to_string_lossy();
+        // A libfabric some other part of this process loaded first may be initialised with
+        // its settings already, or be about to be: memkv's sizes are not its to change.
+        // SAFETY: RTLD_NOLOAD only looks for a library already loaded; nothing is run.
+        let loaded_before = unsafe {
+            libloading::os::unix::Library::open(Some(name), libc::RTLD_NOW | libc::RTLD_NOLOAD)
+        }
+        .is_ok();
         // SAFETY: loading libfabric runs its constructors, which only initialise the library.
         let lib = unsafe { libloading::Library::new(name) }.map_err(|e| {
             if shown == LIBFABRIC {
@@ -93,21 +104,30 @@ impl Lib {
             };
             let strerror = *lib.get(b"fi_strerror\0").map_err(|_| sym("fi_strerror"))?;
             let version = version();
+            let tuning = if loaded_before {
+                Tuning::Skipped(format!(
+                    "{shown} was loaded in this process before memkv used it"
+                ))
+            } else {
+                // fi_getparams initialises libfabric (fi_ini), where rxm reads its sizes.
+                tuning::apply(|| param_names(&lib).is_some())
+                    .unwrap_or_else(|| Tuning::Skipped(format!("{shown} has no fi_getparams")))
+            };
+            tracing::debug!(library = %shown, rxm = %tuning, "libfabric loaded");
             Ok(Lib {
                 api,
                 strerror,
                 version,
+                tuning,
                 lib,
             })
         }
     }
 
-    /// A function of this library that only some uses need, looked up when asked.
-    ///
-    /// # Safety
-    /// `T` must be the C signature the libfabric 1.x ABI gives `name` (NUL-terminated).
-    pub unsafe fn optional<T>(&self, name: &[u8]) -> Option<libloading::Symbol<'_, T>> {
-        self.lib.get(name).ok()
+    /// The names of the parameters (environment variables) libfabric and its providers define;
+    /// None when it has no `fi_getparams`. The first call initialises libfabric.
+    pub fn param_names(&self) -> Option<Vec<String>> {
+        param_names(&self.lib)
     }
 
     /// libfabric's text for an error code (positive or negative).
@@ -116,6 +136,35 @@ impl Lib {
         unsafe { CStr::from_ptr((self.strerror)(code.abs())) }
             .to_string_lossy()
             .into_owned()
+    }
+}
+
+/// `Lib::param_names` of the library `lib`.
+fn param_names(lib: &libloading::Library) -> Option<Vec<String>> {
+    #[repr(C)]
+    struct FiParam {
+        name: *const c_char,
+        kind: c_int,
+        help: *const c_char,
+        value: *const c_char,
+    }
+    type GetParams = unsafe extern "C" fn(*mut *mut FiParam, *mut c_int) -> c_int;
+    type FreeParams = unsafe extern "C" fn(*mut FiParam);
+    // SAFETY: both functions have the C signatures of fabric.h's fi_getparams and
+    // fi_freeparams, and `struct fi_param` is four pointer-sized fields.
+    unsafe {
+        let get = lib.get::<GetParams>(b"fi_getparams\0").ok()?;
+        let free = lib.get::<FreeParams>(b"fi_freeparams\0").ok()?;
+        let (mut params, mut count) = (std::ptr::null_mut(), 0 as c_int);
+        if get(&mut params, &mut count) != 0 || params.is_null() {
+            return Some(Vec::new());
+        }
+        let names = std::slice::from_raw_parts(params, count.max(0) as usize)
+            .iter()
+            .map(|p| cstr(p.name))
+            .collect();
+        free(params);
+        Some(names)
     }
 }
 
@@ -150,6 +199,7 @@ extern "C" {
     pub fn mk_info_key_size(info: *const FiInfo) -> usize;
     pub fn mk_info_caps(info: *const FiInfo) -> u64;
     pub fn mk_info_addr_str(info: *const FiInfo) -> c_int;
+    pub fn mk_info_shrink_rx(info: *mut FiInfo, size: usize);
     pub fn mk_open_domain(
         api: *const Api,
         info: *mut FiInfo,

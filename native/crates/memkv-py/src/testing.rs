@@ -85,7 +85,7 @@ impl RdmaTestPeer {
         Ok(RdmaTestPeer {
             peer: Some(Peer {
                 name,
-                provider: fab.provider.clone(),
+                provider: fab.hello_name.clone(),
                 stop,
                 progress: Some(t),
                 mr,
@@ -99,7 +99,7 @@ impl RdmaTestPeer {
         Ok(PyBytes::new(py, &self.open()?.name))
     }
 
-    /// The provider's name as libfabric gives it (`tcp;ofi_rxm`), as RDMA_HELLO carries it.
+    /// The provider's name as RDMA_HELLO carries it (`tcp;ofi_rxm with 256-byte rxm buffers`).
     fn provider(&self) -> PyResult<String> {
         Ok(self.open()?.provider.clone())
     }

@@ -26,9 +26,10 @@ pub struct RdmaConfig {
 }
 
 /// Default of `RdmaConfig::max_endpoints`. Every endpoint costs the provider's own buffers,
-/// outside `--memory` and the buffer budget: about 85 MiB each with libfabric 1.17's
-/// `tcp;ofi_rxm` (its rxm layer preallocates 1,024 16-KiB buffers per pool per endpoint).
-pub const DEFAULT_MAX_ENDPOINTS: usize = 16;
+/// outside `--memory` and the buffer budget: about 2.5 MiB each with libfabric 1.17's
+/// `tcp;ofi_rxm` and memkv's rxm sizes (memkv-fabric's `tuning`; 85 MiB with rxm's defaults),
+/// so the default bound holds them to about 640 MiB.
+pub const DEFAULT_MAX_ENDPOINTS: usize = 256;
 
 impl Default for RdmaConfig {
     fn default() -> Self {
@@ -71,8 +72,9 @@ impl ServerFabric {
             .map(|(ptr, len)| unsafe { fab.register(ptr, len, false) })
             .collect::<Result<Vec<_>, _>>()
             .map_err(fail)?;
+        let rxm = memkv_fabric::tuning().map_or_else(|e| e, |t| t.to_string());
         tracing::info!(provider = %fab.provider, domain = %fab.domain_name,
-            completion = fab.write_completion.describe(),
+            completion = fab.write_completion.describe(), rxm = %rxm,
             "RDMA data path on (one-sided reads and writes of client memory)");
         Ok(ServerFabric {
             fab,

@@ -35,9 +35,9 @@ impl<T: Transport> Conn<'_, T> {
         let (prov, addr) = proto::decode_rdma_hello(body)?;
         let answer = match &self.ctx.rdma {
             None => Err("RDMA is off on this server (start it with --rdma)".to_string()),
-            Some(sf) if sf.fab.provider != prov => Err(format!(
+            Some(sf) if sf.fab.hello_name != prov => Err(format!(
                 "the server's libfabric provider is {:?}, the client's {prov:?}",
-                sf.fab.provider
+                sf.fab.hello_name
             )),
             Some(sf) => sf
                 .endpoint_slot()
@@ -349,7 +349,7 @@ mod tests {
             });
             Peer {
                 name,
-                provider: fab.provider.clone(),
+                provider: fab.hello_name.clone(),
                 mem,
                 mr,
                 stop,
@@ -474,6 +474,18 @@ mod tests {
         // Another provider's client.
         let (_, ok, why) = connect(&srv, "verbs;ofi_rxm", &peer.name);
         assert!(!ok && why.contains("provider"), "{why}");
+        // The same provider with rxm buffers of another size (a client with another
+        // FI_OFI_RXM_BUFFER_SIZE, or of a memkv that did not set it): rxm would refuse the
+        // server's connection to it and every transfer would stall until its deadline.
+        let (_, ok, why) = connect(&srv, "tcp;ofi_rxm", &peer.name);
+        assert_eq!(
+            (ok, why.as_str()),
+            (
+                false,
+                "the server's libfabric provider is \"tcp;ofi_rxm with 256-byte rxm buffers\", \
+                 the client's \"tcp;ofi_rxm\""
+            )
+        );
         // A well-formed address nobody listens at: accepted, but a transfer fails as a value.
         let nobody = vec![0u8; peer.name.len()];
         let (mut s, ok, _) = connect(&srv, &peer.provider, &nobody);
