@@ -172,16 +172,36 @@ pub const FDS_PER_RDMA_ENDPOINT: u64 = 16;
 /// logs, the verifier pool, libfabric's own.
 pub const FDS_SPARE: u64 = 64;
 
-/// The connections of `wanted` whose descriptors fit under the process's limit on open files
-/// next to `other_fds` (RDMA endpoints) and `FDS_SPARE`. The soft limit is raised toward the
-/// hard one first when it is too low: a server that runs out of descriptors cannot accept the
-/// connection that would close the oldest unauthenticated one, so silent peers would lock out
-/// clients with the key. Where even the hard limit is too low the server serves fewer
-/// connections and says so, naming the flag and the limit.
-pub fn fit_fd_limit(wanted: usize, other_fds: u64) -> usize {
-    let need = (wanted as u64)
+/// Descriptors `connections` need when up to `rdma_endpoints` of them hold an RDMA endpoint.
+fn fds_needed(connections: u64, rdma_endpoints: u64) -> u64 {
+    connections
         .saturating_mul(FDS_PER_CONNECTION)
-        .saturating_add(other_fds + FDS_SPARE);
+        .saturating_add(connections.min(rdma_endpoints) * FDS_PER_RDMA_ENDPOINT)
+        .saturating_add(FDS_SPARE)
+}
+
+/// The most connections (at most `wanted`) whose descriptors fit in `limit` open files.
+fn connections_fitting(wanted: u64, rdma_endpoints: u64, limit: u64) -> u64 {
+    let room = limit.saturating_sub(FDS_SPARE);
+    let with_rdma = FDS_PER_CONNECTION + FDS_PER_RDMA_ENDPOINT;
+    let fit = if room >= rdma_endpoints.saturating_mul(with_rdma) {
+        rdma_endpoints + (room - rdma_endpoints * with_rdma) / FDS_PER_CONNECTION
+    } else {
+        // Fewer connections than RDMA endpoints fit: any of them may hold one.
+        room / with_rdma
+    };
+    fit.clamp(1, wanted.max(1))
+}
+
+/// The connections of `wanted` whose descriptors fit under the process's limit on open files
+/// next to up to `rdma_endpoints` RDMA endpoints (each one a connection's) and `FDS_SPARE`.
+/// The soft limit is raised toward the hard one first when it is too low: a server that runs
+/// out of descriptors cannot accept the connection that would close the oldest
+/// unauthenticated one, so silent peers would lock out clients with the key. Where even the
+/// hard limit is too low the server serves fewer connections and says so, naming the flag and
+/// the limit.
+pub fn fit_fd_limit(wanted: usize, rdma_endpoints: u64) -> usize {
+    let need = fds_needed(wanted as u64, rdma_endpoints);
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -203,8 +223,7 @@ pub fn fit_fd_limit(wanted: usize, other_fds: u64) -> usize {
     if lim.rlim_cur >= need {
         return wanted;
     }
-    let fit = (lim.rlim_cur.saturating_sub(other_fds + FDS_SPARE) / FDS_PER_CONNECTION).max(1);
-    let fit = (fit as usize).min(wanted);
+    let fit = connections_fitting(wanted as u64, rdma_endpoints, lim.rlim_cur) as usize;
     tracing::warn!(
         max_connections = wanted,
         open_files_limit = lim.rlim_cur,
@@ -394,5 +413,31 @@ mod tests {
         assert_eq!(w.allow(), None);
         std::thread::sleep(Duration::from_millis(60));
         assert_eq!(w.allow(), Some(2));
+    }
+
+    #[test]
+    fn rdma_endpoints_count_only_against_connections_that_can_hold_them() {
+        // 1,024 connections, 256 of them RDMA: 2 * 1024 + 16 * 256 + 64.
+        assert_eq!(fds_needed(1024, 256), 6208);
+        // Fewer connections than endpoints: each may hold one.
+        assert_eq!(fds_needed(8, 256), 8 * 18 + 64);
+        // A 4,096 hard limit still serves hundreds of connections, each of which may be RDMA
+        // (subtracting all 256 endpoints' descriptors first left one connection).
+        assert_eq!(connections_fitting(1024, 256, 4096), (4096 - 64) / 18);
+        // Room for every endpoint: the rest of the limit goes to plain connections.
+        assert_eq!(
+            connections_fitting(1024, 16, 2048),
+            16 + (2048 - 64 - 16 * 18) / 2
+        );
+        assert_eq!(connections_fitting(1024, 0, 1024), (1024 - 64) / 2);
+        assert_eq!(connections_fitting(10, 0, 1 << 20), 10);
+        assert_eq!(connections_fitting(1024, 0, 10), 1);
+        for (wanted, endpoints, limit) in [(1024, 256, 4096), (1024, 16, 2048), (500, 0, 700)] {
+            let n = connections_fitting(wanted, endpoints, limit);
+            assert!(
+                fds_needed(n, endpoints) <= limit,
+                "{wanted} {endpoints} {limit}"
+            );
+        }
     }
 }

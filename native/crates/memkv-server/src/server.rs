@@ -148,10 +148,8 @@ impl Server {
             warn: WarnLimiter::new(10, Duration::from_secs(10)),
             rdma,
         });
-        let rdma_fds = cfg.rdma.as_ref().map_or(0, |r| {
-            (r.max_endpoints as u64).saturating_mul(limits::FDS_PER_RDMA_ENDPOINT)
-        });
-        let max_connections = limits::fit_fd_limit(cfg.max_connections, rdma_fds);
+        let rdma_endpoints = cfg.rdma.as_ref().map_or(0, |r| r.max_endpoints as u64);
+        let max_connections = limits::fit_fd_limit(cfg.max_connections, rdma_endpoints);
         let limits = ConnLimits::new(max_connections, store.metrics.clone());
         let mut threads = Vec::new();
         let lim = limits.clone();
