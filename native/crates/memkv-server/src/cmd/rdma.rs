@@ -524,7 +524,9 @@ mod tests {
         // 0.5 s allowance plus 100 kB at the 1 MiB/s minimum rate.
         assert!(
             took >= Duration::from_millis(550) && took < Duration::from_secs(5),
-            "{took:?}"
+            "{took:?}: {:?} {:?}",
+            h.opcode,
+            proto::decode_error(&b)
         );
         assert_eq!(h.opcode, Opcode::Error);
         assert_eq!(
