@@ -283,6 +283,20 @@ def test_shutdown_with_jobs_in_flight(memkv_tier):
     assert all(not t.is_alive() for t in tier._store._threads)
 
 
+def test_shutdown_idempotent(memkv_tier):
+    tier, _ = memkv_tier
+    tier.shutdown()
+    tier.shutdown()
+
+
+def test_partial_block_lookup(memkv_tier):
+    tier, _ = memkv_tier
+    keys = [key(i) for i in range(4)]
+    tier.submit_store(make_job(1, keys[:2], [0, 1]))
+    assert all(r.success for r in drain(tier))
+    assert lookup_and_wait(tier, keys) == [LookupResult.HIT] * 2 + [LookupResult.MISS] * 2
+
+
 @pytest.mark.parametrize("batch_size", [0, 1, 2, 5])
 def test_store_load_data_integrity(memkv_tier, batch_size):
     """Bytes written by a store come back unchanged by a load, into other slots, for batches of
