@@ -260,8 +260,8 @@ class VllmAdapter(ABC):
                    successful_keys: Collection[bytes] | None = None,
                    transfer_time: float | None = None,
                    transfer_bytes: int | None = None) -> Any:
-        """A JobResult; `successful_keys` (loads only) names the keys that transferred when not
-        all did. Fields a generation lacks are dropped."""
+        """A JobResult; `successful_keys` (loads only) names the keys that transferred when
+        some but not all did, and is None otherwise. Fields a generation lacks are dropped."""
 
     def transfer_result(self, job_id: int, nbytes: int, seconds: float, *,
                         success: bool = True) -> Any:

@@ -29,8 +29,9 @@ class Api026(Api025):
         try:
             return loc(name)
         except ValueError:
-            raise ValueError(f"memkv tier: locality must be one of "
-                             f"{', '.join(repr(v.value) for v in loc)}, not {name!r}") from None
+            # Worded like vLLM's own tiers' error (Locality(value)), plus the valid values.
+            raise ValueError(f"memkv tier: {name!r} is not a valid Locality (one of "
+                             f"{', '.join(repr(v.value) for v in loc)})") from None
 
     def worker_rank(self, spec: Any) -> int:
         if getattr(spec, "replicated_layout", False):

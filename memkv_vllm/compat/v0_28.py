@@ -36,7 +36,9 @@ class Api028(Api026):
                    transfer_bytes: int | None = None) -> Any:
         fields: dict[str, Any] = {
             "job_id": job_id, "success": success,
-            "successful_keys": None if success else successful_keys,
+            # None unless some keys transferred and some did not: vLLM reads None as "every key
+            # shares the job's fate", and its own tiers never report an empty collection.
+            "successful_keys": None if success or not successful_keys else successful_keys,
             "transfer_time": transfer_time,
         }
         if self.result_has_transfer_bytes:
