@@ -138,16 +138,18 @@ class VllmAdapter(ABC):
 
         memkv keeps values in DRAM: medium CPU, which a request's kv_load_tiers filter can name
         (with locality REMOTE telling it from a local pool). vLLM would derive HOST, this
-        engine's own memory, from that medium; blocks from memkv were computed by other engines
-        and come over the network, which vLLM attributes as P2P (as for its Mooncake and NIXL
-        connectors). Both are features this method probes for, not generations."""
+        engine's own memory, from that medium; memkv is a remote store, which vLLM's
+        `CacheHitSource` files under EXTERNAL_UNSPECIFIED ("uninstrumented connector or remote
+        store"; P2P is KV pulled from another engine, HOST and DISK this engine's own tiers), and
+        vLLM's own tier tests expect that class of every tier it does not ship. Both are features
+        this method probes for, not generations."""
         medium = getattr(self.kvb, "Medium", None)
         if medium is not None:
             cls.medium = medium.CPU  # type: ignore[attr-defined]
         if "cache_hit_source" in vars(self.tb.SecondaryTierManager):
             from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-            cls.cache_hit_source = CacheHitSource.P2P  # type: ignore[attr-defined]
+            cls.cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ KV events
     def tiers_publish_events(self) -> bool:
@@ -530,11 +532,10 @@ class VllmAdapter(ABC):
 
     def direct_load_source(self) -> Any:
         """What direct mode's hits are attributed to (vLLM 0.32+ asks the manager; older vLLM
-        never calls this): P2P, as for the tier (see `declare_tier_class`), because the blocks
-        were computed by other engines and come over the network."""
+        never calls this): a remote store, as for the tier (see `declare_tier_class`)."""
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-        return CacheHitSource.P2P
+        return CacheHitSource.EXTERNAL_UNSPECIFIED
 
     @abstractmethod
     def direct_facts(self, spec: Any) -> DirectFacts:

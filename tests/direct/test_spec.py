@@ -162,7 +162,7 @@ def test_metrics_are_declared_and_the_load_store_spec_is_concrete():
     assert s.medium() == "memkv" and s.chunks == ((b"h", 0),)
 
 
-def test_hits_are_attributed_to_peers_where_vllm_asks():
+def test_hits_are_attributed_to_a_remote_store_where_vllm_asks():
     from memkv_vllm.spec import MemKVOffloadingManager
 
     if "get_load_source" not in vars(kvb.OffloadingManager):
@@ -170,7 +170,7 @@ def test_hits_are_attributed_to_peers_where_vllm_asks():
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     source = MemKVOffloadingManager.get_load_source(None, b"k", kvb.ReqContext(req_id="r"))
-    assert CacheHitSource(source) is CacheHitSource.P2P
+    assert CacheHitSource(source) is CacheHitSource.EXTERNAL_UNSPECIFIED
 
 
 def test_stored_chunks_become_kv_events_when_the_engine_publishes_them():
