@@ -6,11 +6,15 @@ was not given, leaks nothing, and leaves the server serving TCP and RDMA clients
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import struct
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from memkv_procs import memkv_command
@@ -221,20 +225,48 @@ def test_a_server_without_rdma_refuses_the_handshake_and_keeps_the_connection(
     assert read_frame(s)[0] == 0x83
 
 
+# A client whose endpoint cannot answer the server's reads: it sends its PUT and stops (SIGSTOP)
+# with all its threads. An endpoint that is merely never progressed by its owner is not enough:
+# the tcp provider's own threads (rxm's connection progress) sometimes serve the reads anyway.
+_STOPPED_CLIENT = """
+import os, signal, struct, sys, time
+from types import SimpleNamespace
+from memkv_vllm import _native
+from test_server import ERROR, read_frame
+from test_server_rdma import FLAG_RDMA, MIB, PUT, Peer, descriptors, frame
+p = Peer(SimpleNamespace(address=sys.argv[1]), _native.RdmaTestPeer("tcp", "lo", MIB, False))
+request = frame(PUT, descriptors([p.desc(b"slow", 0, 100_000)]), FLAG_RDMA)
+print(time.monotonic(), flush=True)
+p.s.sendall(request)
+os.kill(os.getpid(), signal.SIGSTOP)
+op, body, _ = read_frame(p.s)
+print(op, struct.unpack("<H", body[:2])[0] if op == ERROR else None, p.closed(), flush=True)
+"""
+
+
 def test_a_client_that_stops_driving_its_endpoint_is_cut_off_at_the_deadline(
-        memkv_server_factory, endpoints):
+        memkv_server_factory):
     srv = memkv_server_factory(memory="16M", lanes=1,
                                extra=RDMA_ARGS + ["--frame-timeout", "1", "--min-rate", "1M"])
-    ep = endpoints(MIB, progress=False)
-    p = Peer(srv, ep)
-    t = time.monotonic()
-    p.s.sendall(frame(PUT, descriptors([p.desc(b"slow", 0, 100_000)]), FLAG_RDMA))
-    op, body, _ = read_frame(p.s)
-    took = time.monotonic() - t
-    # 1 s allowance plus 100 kB at 1 MiB/s, and not much more.
-    assert op == ERROR and struct.unpack("<H", body[:2])[0] == STALLED
-    assert 1.0 <= took < 5.0, took
-    assert p.closed()
+    tests = str(Path(__file__).parent)
+    child = subprocess.Popen([sys.executable, "-c", _STOPPED_CLIENT, srv.address], cwd=tests,
+                             env={**os.environ, "PYTHONPATH": tests}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        sent = float(child.stdout.readline())
+        while (srv.stats()["errors"].get("stalled", 0) == 0
+               and time.monotonic() - sent < 10):
+            time.sleep(0.02)
+        took = time.monotonic() - sent
+        child.send_signal(signal.SIGCONT)
+        out, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+        child.wait()
+    # 1 s allowance plus 100 kB at 1 MiB/s, and not much more; the client then reads the
+    # error and finds the connection closed.
+    assert 1.0 <= took < 5.0, (took, err)
+    assert out.split() == [str(ERROR), str(STALLED), "True"], (out, err)
     st = srv.stats()
     assert (st["items"], st["memory_used_bytes"], st["in_transfer_bytes"]) == (0, 0, 0)
     assert st["errors"]["stalled"] == 1

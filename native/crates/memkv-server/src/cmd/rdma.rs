@@ -324,13 +324,11 @@ mod tests {
     }
 
     impl Peer {
+        /// A client endpoint over `len` registered bytes, driven by its own thread. (A client
+        /// that stops driving its endpoint is tested from Python with a stopped process: an
+        /// endpoint in this process that nobody drives was sometimes served by the provider's
+        /// own threads anyway.)
         fn new(len: usize) -> Peer {
-            Peer::with_progress(len, true)
-        }
-
-        /// `progress` false: an endpoint nobody drives, so no remote operation on it completes
-        /// (a client that stopped).
-        fn with_progress(len: usize, progress: bool) -> Peer {
             let fab = Fabric::open(Some("tcp"), &["lo".to_string()]).unwrap();
             let mut ep = Endpoint::open(&fab).unwrap();
             let name = ep.name().unwrap();
@@ -341,9 +339,7 @@ mod tests {
             let s = stop.clone();
             let t = std::thread::spawn(move || {
                 while !s.load(Ordering::Relaxed) {
-                    if progress {
-                        let _ = ep.progress();
-                    }
+                    let _ = ep.progress();
                     ep.wait(Duration::from_millis(2));
                 }
             });
@@ -507,40 +503,6 @@ mod tests {
         let (mut s, ok, why) = connect(&srv, &peer.provider, &peer.name);
         assert!(ok, "{why}");
         assert_eq!(put(&mut s, b"y", peer.desc(0, 100)), Some(Status::Ok));
-        srv.shutdown();
-        srv.wait();
-    }
-
-    #[test]
-    fn a_transfer_the_client_never_completes_ends_at_the_frame_deadline() {
-        let srv = server_with(Duration::from_millis(500));
-        let peer = Peer::with_progress(1 << 20, false);
-        let (mut s, ok, why) = connect(&srv, &peer.provider, &peer.name);
-        assert!(ok, "{why}");
-        let t = std::time::Instant::now();
-        let body = proto::encode_descriptors(&[b"slow".as_slice()], &[peer.desc(0, 100_000)]);
-        let (h, b) = call(&mut s, Opcode::Put, FLAG_RDMA, &body).unwrap();
-        let took = t.elapsed();
-        // 0.5 s allowance plus 100 kB at the 1 MiB/s minimum rate.
-        assert!(
-            took >= Duration::from_millis(550) && took < Duration::from_secs(5),
-            "{took:?}: {:?} {:?}",
-            h.opcode,
-            proto::decode_error(&b)
-        );
-        assert_eq!(h.opcode, Opcode::Error);
-        assert_eq!(
-            proto::decode_error(&b).unwrap().0,
-            Some(proto::ErrorCode::Stalled)
-        );
-        assert!(closed(&mut s));
-        let ls = srv.store.lane_stats();
-        assert_eq!(
-            (ls.items, ls.receiving_bytes),
-            (0, 0),
-            "the reservation is released"
-        );
-        assert_eq!(srv.store.metrics.errors("stalled"), 1);
         srv.shutdown();
         srv.wait();
     }
