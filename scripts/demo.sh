@@ -44,7 +44,11 @@ if [[ ! -f "$MODEL/config.json" ]]; then
 fi
 
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; }
+# SIGTERM drains a server; waiting for it means none is left running when the script returns.
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+}
 trap cleanup EXIT
 SERVERS=()
 for i in 1 2; do
