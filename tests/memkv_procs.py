@@ -12,6 +12,15 @@ import time
 from pathlib import Path
 
 
+def proc_status(pid: int | str, field: str) -> int:
+    """A number from /proc/<pid>/status (`pid` "self" for this process): kB for the Vm*
+    fields (VmRSS, VmSize), a count for Threads."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
 def memkv_command() -> list[str]:
     """The server command: $MEMKV_BIN if set, else the `memkv` of the interpreter running the tests
     (the wheel's console script, always the build just installed), else that module directly.

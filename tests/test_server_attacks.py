@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from memkv_procs import proc_status
 from test_server import (
     GET,
     HELLO,
@@ -27,13 +28,6 @@ from test_server_limits import KEY, MALFORMED, STALLED, authed, error_code, roun
 
 from memkv_vllm.client import MemKVClient, Status
 from memkv_vllm.config import MemKVConfig
-
-
-def proc_status(srv, field: str) -> int:
-    for line in Path(f"/proc/{srv.proc.pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"no {field}")
 
 
 def open_fds(srv) -> int:
@@ -55,7 +49,7 @@ def test_metrics_port_floods_cost_neither_threads_nor_memory(memkv_server_factor
     srv = memkv_server_factory(memory="64M", auth_key=KEY, metrics=True)
     port = metrics_port(srv)
     assert "memkv_items 0" in scrape(port)
-    threads, base = proc_status(srv, "Threads"), rss(srv)
+    threads, base = proc_status(srv.proc.pid, "Threads"), rss(srv)
     # Silent connections: each once took a thread of the HTTP server, without limit.
     silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(400)]
     # A peer pipelining requests without reading the replies: they were queued without limit.
@@ -71,7 +65,7 @@ def test_metrics_port_floods_cost_neither_threads_nor_memory(memkv_server_factor
         except OSError:  # answered once and closed: the rest is never read
             break
     try:
-        assert proc_status(srv, "Threads") <= threads + 1
+        assert proc_status(srv.proc.pid, "Threads") <= threads + 1
         assert open_fds(srv) <= 64
         assert rss(srv) - base < 16 << 20
         # A scraper still gets in (the oldest silent connections give way), and so do clients.

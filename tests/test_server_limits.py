@@ -11,10 +11,9 @@ import struct
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from memkv_procs import memkv_command
+from memkv_procs import memkv_command, proc_status
 from test_server import (
     AUTH,
     ERROR,
@@ -39,10 +38,7 @@ STALLED, BUSY, UNAUTHENTICATED, MALFORMED = 10, 11, 6, 4
 
 def rss(srv) -> int:
     """The server's resident memory, bytes."""
-    for line in Path(f"/proc/{srv.proc.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) << 10
-    raise AssertionError("no VmRSS")
+    return proc_status(srv.proc.pid, "VmRSS") << 10
 
 
 def authed(srv, key: str = KEY) -> socket.socket:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from memkv_procs import memkv_command
+from memkv_procs import memkv_command, proc_status
 from test_server import (
     ERROR,
     GET,
@@ -391,10 +391,7 @@ def test_a_server_of_other_rxm_buffers_refuses_rdma_and_serves_auto_over_tcp(
 
 
 def rss(pid: int | str = "self") -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    return proc_status(pid, "VmRSS") << 10
 
 
 # What one RDMA connection may cost in resident memory, in the server and in the client: about

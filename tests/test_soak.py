@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from memkv_procs import proc_status
 from test_server import EXISTS, GET, HELLO, PUT, header, key_lens, read_frame
 from test_server_limits import KEY, authed, round_trip_s, rss
 
@@ -51,9 +52,7 @@ pytestmark = pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs p
 
 def vm_size(srv) -> int:
     """The server's address space, bytes (what `prlimit --as` limits)."""
-    with open(f"/proc/{srv.proc.pid}/status") as f:
-        line = next(ln for ln in f if ln.startswith("VmSize:"))
-    return int(line.split()[1]) << 10
+    return proc_status(srv.proc.pid, "VmSize") << 10
 
 
 def value_for(key: bytes, version: int, size: int) -> bytes:
