@@ -442,7 +442,12 @@ impl Found {
     fn open(mut self, write_completion: WriteCompletion) -> Result<Arc<Fabric>> {
         let (lib, info) = (self.lib, self.info);
         // SAFETY: `info` is a valid entry of the list this Found owns.
-        let prov = unsafe { sys::cstr(sys::mk_info_prov(info)) };
+        let (prov, domain_name) = unsafe {
+            (
+                sys::cstr(sys::mk_info_prov(info)),
+                sys::cstr(sys::mk_info_domain(info)),
+            )
+        };
         if tuning::shrinks_rx(&prov, std::env::var_os(tuning::RX_SIZE_VAR).is_some()) {
             // The endpoints are opened with this entry, so their receive queues take its size.
             // SAFETY: as above; nothing has been opened with the entry yet.
@@ -466,7 +471,6 @@ impl Found {
                 domain,
                 provider: prov.clone(),
                 hello_name: tuning::hello_name(&prov, &lib.tuning.rxm_buffer_size()),
-                domain_name: sys::cstr(sys::mk_info_domain(info)),
                 write_completion,
                 virt_addr: mr_mode & sys::mk_mr_virt_addr() != 0,
                 prov_key: mr_mode & sys::mk_mr_prov_key() != 0,
@@ -475,17 +479,15 @@ impl Found {
                 device_memory: if self.hmem {
                     cuda_reach(
                         lib,
-                        &format!(
-                            "provider {} on {}",
-                            sys::cstr(sys::mk_info_prov(info)),
-                            sys::cstr(sys::mk_info_domain(info))
-                        ),
+                        &format!("provider {prov} on {domain_name}"),
                         sys::mk_info_caps(info) & sys::mk_cap_hmem() != 0,
                     )
                 } else {
                     Err("GPU memory was not asked for (FI_HMEM)".to_string())
                 },
                 addr_str: sys::mk_info_addr_str(info) != 0,
+                // After `device_memory`, whose text names it.
+                domain_name,
                 next_key: AtomicU64::new(1),
             }
         };
