@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness import ArrayRegion, SpecStandIn
+from harness import ArrayRegion, SpecStandIn, okey
 from vllm.v1.kv_offload import base as kvb
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering import base as tb
@@ -98,10 +98,6 @@ def make_spec(enable_kv_cache_events: bool = False, *, tp_size: int = 1, rank: i
     spec.kv_events_config = kvb.OffloadingKVEventsConfig(  # type: ignore[attr-defined]
         enable_kv_cache_events=enable_kv_cache_events, self_describing_kv_events=False)
     return spec
-
-
-def key(n: int) -> bytes:
-    return api().make_offload_key(n.to_bytes(8, "big"), 0)
 
 
 def make_job(job_id: int, keys: list[bytes], slots: list[int] | None = None,
@@ -193,36 +189,36 @@ def _random_rows(arr: np.ndarray, seed: int = 0) -> None:
 
 def test_lookup_empty_tier(memkv_tier):
     tier, _ = memkv_tier
-    assert lookup_and_wait(tier, [key(1), key(2)]) == [LookupResult.MISS, LookupResult.MISS]
+    assert lookup_and_wait(tier, [okey(1), okey(2)]) == [LookupResult.MISS, LookupResult.MISS]
 
 
 def test_store_then_lookup_succeeds(memkv_tier, memkv_server):
     tier, _ = memkv_tier
-    tier.submit_store(make_job(1, [key(1)], [0]))
+    tier.submit_store(make_job(1, [okey(1)], [0]))
     results = drain(tier)
     assert len(results) == 1 and results[0].success and results[0].job_id == 1
-    assert lookup_and_wait(tier, [key(1)]) == [LookupResult.HIT]
-    assert _present(memkv_server.address, tier.remote_key(key(1)))
+    assert lookup_and_wait(tier, [okey(1)]) == [LookupResult.HIT]
+    assert _present(memkv_server.address, tier.remote_key(okey(1)))
 
 
 def test_lookup_unrelated_key_misses(memkv_tier):
     tier, _ = memkv_tier
-    tier.submit_store(make_job(1, [key(1)], [0]))
+    tier.submit_store(make_job(1, [okey(1)], [0]))
     drain(tier)
-    assert lookup_and_wait(tier, [key(999)]) == [LookupResult.MISS]
+    assert lookup_and_wait(tier, [okey(999)]) == [LookupResult.MISS]
 
 
 def test_store_then_load_roundtrip(memkv_tier, memkv_server):
     tier, _ = memkv_tier
-    tier.submit_store(make_job(1, [key(1), key(2)], [0, 1]))
+    tier.submit_store(make_job(1, [okey(1), okey(2)], [0, 1]))
     assert all(r.success for r in drain(tier))
-    assert lookup_and_wait(tier, [key(1), key(2)]) == [LookupResult.HIT] * 2
-    tier.submit_load(make_job(2, [key(1), key(2)], [2, 3], is_promotion=True))
+    assert lookup_and_wait(tier, [okey(1), okey(2)]) == [LookupResult.HIT] * 2
+    tier.submit_load(make_job(2, [okey(1), okey(2)], [2, 3], is_promotion=True))
     results = drain(tier)
     assert len(results) == 1 and results[0].success
     # A successful load leaves the values where they are.
-    assert all(_present(memkv_server.address, tier.remote_key(k)) for k in (key(1), key(2)))
-    assert lookup_and_wait(tier, [key(1), key(2)]) == [LookupResult.HIT] * 2
+    assert all(_present(memkv_server.address, tier.remote_key(k)) for k in (okey(1), okey(2)))
+    assert lookup_and_wait(tier, [okey(1), okey(2)]) == [LookupResult.HIT] * 2
 
 
 @needs_locality
@@ -248,27 +244,27 @@ def test_factory_forwards_locality_to_the_tier(memkv_server):
 
 def test_failed_load_of_an_absent_key(memkv_tier):
     tier, _ = memkv_tier
-    tier.submit_load(make_job(1, [key(99)], [0], is_promotion=True))
+    tier.submit_load(make_job(1, [okey(99)], [0], is_promotion=True))
     results = drain(tier)
     assert len(results) == 1 and not results[0].success
 
 
 def test_multiple_jobs_tracked_independently(memkv_tier):
     tier, _ = memkv_tier
-    tier.submit_store(make_job(1, [key(1)], [0]))
-    tier.submit_store(make_job(2, [key(2)], [1]))
+    tier.submit_store(make_job(1, [okey(1)], [0]))
+    tier.submit_store(make_job(2, [okey(2)], [1]))
     results = drain(tier)
     assert {r.job_id for r in results} == {1, 2} and len(results) == 2
     assert all(r.success for r in results)
-    assert lookup_and_wait(tier, [key(1), key(2)]) == [LookupResult.HIT] * 2
+    assert lookup_and_wait(tier, [okey(1), okey(2)]) == [LookupResult.HIT] * 2
 
 
 def test_multi_block_job_partial_failure(memkv_tier):
     """A load job where one key is missing yields a single failed JobResult."""
     tier, _ = memkv_tier
-    tier.submit_store(make_job(1, [key(10), key(11)], [0, 1]))
+    tier.submit_store(make_job(1, [okey(10), okey(11)], [0, 1]))
     assert all(r.success for r in drain(tier))
-    tier.submit_load(make_job(2, [key(10), key(11), key(99)], [0, 1, 2], is_promotion=True))
+    tier.submit_load(make_job(2, [okey(10), okey(11), okey(99)], [0, 1, 2], is_promotion=True))
     results = drain(tier)
     assert len(results) == 1 and results[0].job_id == 2 and not results[0].success
 
@@ -278,7 +274,7 @@ def test_shutdown_with_jobs_in_flight(memkv_tier):
     next). Unlike the fs tier, queued stores are finished first rather than dropped."""
     tier, _ = memkv_tier
     for i in range(10):
-        tier.submit_store(make_job(i, [key(i)], [i % 4]))
+        tier.submit_store(make_job(i, [okey(i)], [i % 4]))
     tier.shutdown()
     assert all(not t.is_alive() for t in tier._store._threads)
 
@@ -291,7 +287,7 @@ def test_shutdown_idempotent(memkv_tier):
 
 def test_partial_block_lookup(memkv_tier):
     tier, _ = memkv_tier
-    keys = [key(i) for i in range(4)]
+    keys = [okey(i) for i in range(4)]
     tier.submit_store(make_job(1, keys[:2], [0, 1]))
     assert all(r.success for r in drain(tier))
     assert lookup_and_wait(tier, keys) == [LookupResult.HIT] * 2 + [LookupResult.MISS] * 2
@@ -303,7 +299,7 @@ def test_store_load_data_integrity(memkv_tier, batch_size):
     any size including the empty one."""
     tier, pool = memkv_tier
     _random_rows(pool)
-    keys = [key(i) for i in range(batch_size)]
+    keys = [okey(i) for i in range(batch_size)]
     expected = pool[:batch_size].copy()
     tier.submit_store(make_job(1, keys, list(range(batch_size))))
     results = drain(tier)
@@ -321,10 +317,10 @@ def test_store_load_data_integrity(memkv_tier, batch_size):
 def test_out_of_bounds_slot_fails_the_job(memkv_tier):
     tier, pool = memkv_tier
     oob = pool.shape[0]  # one past the last row
-    tier.submit_store(make_job(1, [key(1)], [oob]))
+    tier.submit_store(make_job(1, [okey(1)], [oob]))
     results = drain(tier)
     assert len(results) == 1 and not results[0].success
-    tier.submit_load(make_job(2, [key(1)], [oob], is_promotion=True))
+    tier.submit_load(make_job(2, [okey(1)], [oob], is_promotion=True))
     results = drain(tier)
     assert len(results) == 1 and not results[0].success
 
@@ -335,32 +331,32 @@ def test_out_of_bounds_slot_fails_the_job(memkv_tier):
 
 def test_failed_load_corrects_verdict_and_removes_the_bad_value(memkv_tier, memkv_server):
     tier, _ = memkv_tier
-    tier.submit_store(make_job(1, [key(1)], [0]))
+    tier.submit_store(make_job(1, [okey(1)], [0]))
     assert all(r.success for r in drain(tier))
     ctx = ReqContext(req_id="livelock-req")
-    assert lookup_and_wait(tier, [key(1)], ctx=ctx) == [LookupResult.HIT]
+    assert lookup_and_wait(tier, [okey(1)], ctx=ctx) == [LookupResult.HIT]
 
     # A successful promotion touches neither the verdict nor the value.
-    tier.submit_load(make_job(2, [key(1)], [0], is_promotion=True))
+    tier.submit_load(make_job(2, [okey(1)], [0], is_promotion=True))
     results = drain(tier)
     assert len(results) == 1 and results[0].success
-    assert tier.lookup(key(1), ctx) == LookupResult.HIT
+    assert tier.lookup(okey(1), ctx) == LookupResult.HIT
 
-    rkey = tier.remote_key(key(1))
+    rkey = tier.remote_key(okey(1))
     _overwrite_short(memkv_server.address, rkey)
-    tier.submit_load(make_job(3, [key(1)], [0], is_promotion=True))
+    tier.submit_load(make_job(3, [okey(1)], [0], is_promotion=True))
     results = drain(tier)
     assert len(results) == 1 and not results[0].success
 
     # The same request now misses without a new probe; the unusable value is gone, so a fresh
     # request misses too.
-    assert tier.lookup(key(1), ctx) == LookupResult.MISS
+    assert tier.lookup(okey(1), ctx) == LookupResult.MISS
     deadline = time.monotonic() + 5
     while _present(memkv_server.address, rkey):
         assert time.monotonic() < deadline, "the wrong-length value is still on the server"
         time.sleep(0.01)
     fresh = ReqContext(req_id="fresh-after-short-read")
-    assert lookup_and_wait(tier, [key(1)], ctx=fresh) == [LookupResult.MISS]
+    assert lookup_and_wait(tier, [okey(1)], ctx=fresh) == [LookupResult.MISS]
 
 
 @needs_partial_results
@@ -368,17 +364,17 @@ def test_batched_partial_load_failure_keeps_loaded_blocks(memkv_tier, memkv_serv
     """The keys of a failed load job that did load are reported in successful_keys and stay
     HIT; only the failed one becomes a MISS."""
     tier, _ = memkv_tier
-    keys = [key(1), key(2), key(3)]
+    keys = [okey(1), okey(2), okey(3)]
     tier.submit_store(make_job(1, keys, [0, 1, 2]))
     assert all(r.success for r in drain(tier))
     ctx = ReqContext(req_id="batch-req")
     assert lookup_and_wait(tier, keys, ctx=ctx) == [LookupResult.HIT] * 3
 
-    _overwrite_short(memkv_server.address, tier.remote_key(key(3)))
+    _overwrite_short(memkv_server.address, tier.remote_key(okey(3)))
     tier.submit_load(make_job(2, keys, [0, 1, 2], is_promotion=True))
     results = drain(tier)
     assert len(results) == 1 and not results[0].success
-    assert tuple(results[0].successful_keys) == (key(1), key(2))
+    assert tuple(results[0].successful_keys) == (okey(1), okey(2))
     assert [tier.lookup(k, ctx) for k in keys] == [LookupResult.HIT, LookupResult.HIT,
                                                    LookupResult.MISS]
     fresh = ReqContext(req_id="fresh-batch-req")
@@ -391,11 +387,11 @@ def test_batched_load_whose_first_block_fails_marks_the_whole_batch(memkv_tier, 
     """Nothing loaded: no successful_keys (None, as vLLM's tiers report it) and every key of
     the job misses for the request. Here the other keys are absent."""
     tier, _ = memkv_tier
-    keys = [key(1), key(2), key(3)]
+    keys = [okey(1), okey(2), okey(3)]
     tier.submit_store(make_job(1, keys[:1], [0]))
     assert all(r.success for r in drain(tier))
     ctx = ReqContext(req_id="batch-first-fail")
-    _overwrite_short(memkv_server.address, tier.remote_key(key(1)))
+    _overwrite_short(memkv_server.address, tier.remote_key(okey(1)))
     tier.submit_load(make_job(2, keys, [0, 1, 2], is_promotion=True))
     results = drain(tier)
     assert len(results) == 1 and not results[0].success
@@ -407,14 +403,14 @@ def test_transient_load_failure_leaves_the_value(make_tier, memkv_server, proxy)
     """A server that stops answering fails the load (op timeout) but must not cost the value."""
     p = proxy(memkv_server.address)
     tier, _ = make_tier(servers=[p.address], op_timeout_s=1.0)
-    tier.submit_store(make_job(1, [key(1)], [0]))
+    tier.submit_store(make_job(1, [okey(1)], [0]))
     assert all(r.success for r in drain(tier))
     p.freeze()
-    tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
+    tier.submit_load(make_job(2, [okey(1)], [1], is_promotion=True))
     results = drain(tier)
     p.thaw()
     assert len(results) == 1 and not results[0].success
-    assert _present(memkv_server.address, tier.remote_key(key(1)))
+    assert _present(memkv_server.address, tier.remote_key(okey(1)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,7 +427,7 @@ def events_tier(make_tier):
 @needs_tier_events
 def test_successful_store_emits_stored_event(events_tier):
     tier = events_tier
-    keys = [key(1), key(2)]
+    keys = [okey(1), okey(2)]
     tier.submit_store(make_job(1, keys, [0, 1]))
     assert all(r.success for r in drain(tier))
     events = list(tier.take_events())
@@ -452,7 +448,7 @@ def test_successful_store_emits_stored_event(events_tier):
 def test_store_event_uses_configured_locality(make_tier, locality, expected):
     tier, _ = make_tier(spec=make_spec(enable_kv_cache_events=True), enable_kv_events=True,
                         **({} if locality is None else {"locality": locality}))
-    tier.submit_store(make_job(1, [key(1)], [0]))
+    tier.submit_store(make_job(1, [okey(1)], [0]))
     assert all(r.success for r in drain(tier))
     events = list(tier.take_events())
     assert len(events) == 1 and events[0].locality is kvb.Locality[expected]
@@ -461,10 +457,10 @@ def test_store_event_uses_configured_locality(make_tier, locality, expected):
 @needs_tier_events
 def test_load_job_emits_no_event(events_tier):
     tier = events_tier
-    tier.submit_store(make_job(1, [key(1)], [0]))
+    tier.submit_store(make_job(1, [okey(1)], [0]))
     assert all(r.success for r in drain(tier))
     list(tier.take_events())
-    tier.submit_load(make_job(2, [key(1)], [1], is_promotion=True))
+    tier.submit_load(make_job(2, [okey(1)], [1], is_promotion=True))
     results = drain(tier)
     assert len(results) == 1 and results[0].success
     assert list(tier.take_events()) == []
@@ -473,18 +469,18 @@ def test_load_job_emits_no_event(events_tier):
 @needs_tier_events
 def test_mixed_job_results_emit_event_only_for_successful_job(events_tier):
     tier = events_tier
-    tier.submit_store(make_job(1, [key(1)], [NUM_BLOCKS]))  # outside the pool: fails
-    tier.submit_store(make_job(2, [key(2)], [1]))
+    tier.submit_store(make_job(1, [okey(1)], [NUM_BLOCKS]))  # outside the pool: fails
+    tier.submit_store(make_job(2, [okey(2)], [1]))
     results = {r.job_id: r for r in drain(tier)}
     assert len(results) == 2 and not results[1].success and results[2].success
     events = list(tier.take_events())
-    assert len(events) == 1 and list(events[0].keys) == [key(2)]
+    assert len(events) == 1 and list(events[0].keys) == [okey(2)]
 
 
 @needs_tier_events
 def test_events_disabled_by_default(memkv_tier):
     tier, _ = memkv_tier
-    tier.submit_store(make_job(1, [key(1)], [0]))
+    tier.submit_store(make_job(1, [okey(1)], [0]))
     assert all(r.success for r in drain(tier))
     assert list(tier.take_events()) == []
 
@@ -492,7 +488,7 @@ def test_events_disabled_by_default(memkv_tier):
 @needs_tier_events
 def test_events_require_global_kv_events_flag(make_tier):
     tier, _ = make_tier(spec=make_spec(enable_kv_cache_events=False), enable_kv_events=True)
-    tier.submit_store(make_job(1, [key(1)], [0]))
+    tier.submit_store(make_job(1, [okey(1)], [0]))
     assert all(r.success for r in drain(tier))
     assert list(tier.take_events()) == []
 
@@ -509,7 +505,7 @@ def test_cascade_store_emits_event_through_tiering_manager(memkv_server):
         enable_kv_events=True)
     manager = TieringOffloadingManager(primary, [tier])
     try:
-        keys = [key(1), key(2)]
+        keys = [okey(1), okey(2)]
         manager.on_new_request(CTX)
         assert manager.prepare_store(keys, CTX) is not None
         manager.complete_store(keys, CTX)  # cascades to the memkv tier
@@ -537,13 +533,13 @@ def test_cross_tp_round_trip(make_tier):
     writer, wpool = make_tier(num_blocks=4, spec=make_spec(tp_size=2, replicated_layout=True))
     _random_rows(wpool, seed=7)
     expected = wpool[0].copy()
-    writer.submit_store(make_job(1, [key(7)], [0]))
+    writer.submit_store(make_job(1, [okey(7)], [0]))
     assert all(r.success for r in drain(writer))
 
     reader, rpool = make_tier(num_blocks=4,
                               spec=make_spec(tp_size=4, rank=3, replicated_layout=True))
-    assert reader.remote_key(key(7)) == writer.remote_key(key(7))
-    assert lookup_and_wait(reader, [key(7)]) == [LookupResult.HIT]
-    reader.submit_load(make_job(2, [key(7)], [1], is_promotion=True))
+    assert reader.remote_key(okey(7)) == writer.remote_key(okey(7))
+    assert lookup_and_wait(reader, [okey(7)]) == [LookupResult.HIT]
+    reader.submit_load(make_job(2, [okey(7)], [1], is_promotion=True))
     assert all(r.success for r in drain(reader))
     assert np.array_equal(rpool[1], expected)
