@@ -162,15 +162,15 @@ const EVICTED_EXIT_WAIT: Duration = Duration::from_millis(200);
 
 /// Descriptors a connection holds: its socket, and the duplicate that closes it from another
 /// thread (`Transport::closer`).
-pub const FDS_PER_CONNECTION: u64 = 2;
+const FDS_PER_CONNECTION: u64 = 2;
 
 /// Descriptors an RDMA endpoint may hold in its libfabric provider (completion queue, address
 /// vector, wait objects, the tcp provider's sockets), counted for each `--max-rdma-connections`.
-pub const FDS_PER_RDMA_ENDPOINT: u64 = 16;
+const FDS_PER_RDMA_ENDPOINT: u64 = 16;
 
 /// Descriptors left for everything but connections: listeners, metrics connections, the arena,
 /// logs, the verifier pool, libfabric's own.
-pub const FDS_SPARE: u64 = 64;
+const FDS_SPARE: u64 = 64;
 
 /// Descriptors `connections` need when up to `rdma_endpoints` of them hold an RDMA endpoint.
 fn fds_needed(connections: u64, rdma_endpoints: u64) -> u64 {
