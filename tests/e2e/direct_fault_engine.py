@@ -5,7 +5,7 @@ tests/e2e/test_direct_faults.py (engine A, which fills the cluster, and the engi
 
   python direct_fault_engine.py --model DIR --servers HOST:PORT --out result.json
          --cases '[{"name": "kill", "seeds": [3, 4], "fault": "SIGKILL"}, ...]'
-         [--server-pid PID] [--wait-items N]
+         [--server-pid PID] [--wait-items N] [--llm-args JSON]
 
 A case's `fault` (SIGKILL or SIGSTOP) is written as a plan for fault_connector.py, which sends it
 to the server (--server-pid) when this engine's worker starts the prompt's loads; its prompts
@@ -102,6 +102,8 @@ def main() -> int:
     ap.add_argument("--cases", required=True)
     ap.add_argument("--server-pid", type=int, default=0)
     ap.add_argument("--wait-items", type=int, default=0)
+    ap.add_argument("--llm-args", default="{}",
+                    help="vllm.LLM keyword arguments over the defaults, as JSON (device choices)")
     args = ap.parse_args()
     cases = json.loads(args.cases)
     plan = Path(os.environ[PLAN_ENV])
@@ -112,8 +114,9 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype="float32", max_model_len=1024, max_num_seqs=4,
-              enforce_eager=True, seed=0, kv_transfer_config=kv_transfer_config())
+    kw = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4, "enforce_eager": True,
+          "seed": 0, **json.loads(args.llm_args)}
+    llm = LLM(model=args.model, kv_transfer_config=kv_transfer_config(), **kw)
     result: dict = {"vllm": __import__("vllm").__version__,
                     "startup_s": time.perf_counter() - t0, "cases": {}}
     # First forward of a process pays one-time costs; shorter than a block: nothing to offload.
