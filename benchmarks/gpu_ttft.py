@@ -63,7 +63,7 @@ SHAPES = {
 }
 ENGINE_ARGS = {
     "cuda": {"dtype": "bfloat16", "attention_backend": "TRITON_ATTN", "enforce_eager": True,
-             "load_format": "dummy", "gpu_memory_utilization": 0.8, "max_num_seqs": 4},
+             "load_format": "dummy", "gpu_memory_utilization": 0.4, "max_num_seqs": 4},
     "cpu": {"dtype": "float32", "enforce_eager": True, "load_format": "dummy", "max_num_seqs": 4},
 }
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -171,9 +171,9 @@ class Run:
                             **json.loads(args.engine_args)}
 
     def engine(self, name: str, kv: dict, pool: bool = False, new_items: int = 0,
-               wait_dir_bytes: str = "") -> dict:
+               fs_blocks: str = "") -> dict:
         """One engine over every prefix's prompt; waits until its stores are in: `new_items` more
-        values in memkv, `wait_dir_bytes` (DIR:BYTES) in the fs tier."""
+        values in memkv, `fs_blocks` (DIR:N) block files in the fs tier."""
         wait_items = self.memkv.stats()["items"] + new_items if new_items else 0
         prompts = [{"name": str(n), "ids": prompt_ids(n), "pool": pool}
                    for n in self.args.prefixes]
@@ -185,8 +185,8 @@ class Run:
                "--llm-args", json.dumps(self.engine_args), "--kv-config", json.dumps(kv),
                "--servers", self.server, "--wait-items", str(wait_items),
                "--wait-timeout-s", "300"]
-        if wait_dir_bytes:
-            cmd += ["--wait-dir-bytes", wait_dir_bytes]
+        if fs_blocks:
+            cmd += ["--wait-fs-blocks", fs_blocks]
         t0 = time.monotonic()
         print(f"[gpu_ttft] engine {name} ...", flush=True)
         log = self.work / f"{name}.log"
@@ -220,8 +220,7 @@ def run_engines(run: Run, args: argparse.Namespace, kv_token: int) -> dict[str, 
             w = run.engine("writer", tier_config(args, run.server, f"tier-{tag}", fs_root, memkv,
                                                  fs),
                            pool="pool" in modes, new_items=chunks(args) if memkv else 0,
-                           wait_dir_bytes=(f"{fs_root}:{sum(args.prefixes) * kv_token}"
-                                           if fs else ""))
+                           fs_blocks=f"{fs_root}:{chunks(args)}" if fs else "")
             results["cold"] = {n: w["prompts"][str(n)] for n in args.prefixes}
             if "pool" in modes:
                 results["pool"] = {n: w["prompts"][str(n)]["pool"] for n in args.prefixes}

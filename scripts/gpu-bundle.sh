@@ -15,7 +15,7 @@
 # About 46 MiB in all; the script fails if the bundle passes BUNDLE_LIMIT_MB (default 60), so it
 # and the repository fit a 64 MiB transfer.
 # Env: VLLM_VERSION (0.26.0), PY_VERSION (3.12), GLIBC_MINOR (31: the newest manylinux_2_N wheels
-#      taken), PIP (python3 -m pip), PYTHON (python3, runs the repack), MATURIN (maturin), BUNDLE_LIMIT_MB (60).
+#      taken), PIP (python3 -m pip), PYTHON (python3, runs the repack), MATURIN (.venv/bin/maturin, else maturin), BUNDLE_LIMIT_MB (60).
 # How carry-deps.txt was found: scripts/gpu/import_probe.py imports vLLM's engine path with the
 # CUDA platform forced; on a machine without a GPU it needs a stub libcuda.so.1
 # (scripts/gpu/stub_libcuda.c). Each missing module was installed until every module imported;
@@ -27,7 +27,7 @@ VLLM_VERSION=${VLLM_VERSION:-0.26.0}
 PY_VERSION=${PY_VERSION:-3.12}
 GLIBC_MINOR=${GLIBC_MINOR:-31}
 read -r -a PIP <<< "${PIP:-python3 -m pip}"
-MATURIN=${MATURIN:-maturin}
+MATURIN=${MATURIN:-$( [ -x "$ROOT/.venv/bin/maturin" ] && echo "$ROOT/.venv/bin/maturin" || echo maturin)}
 LIMIT_MB=${BUNDLE_LIMIT_MB:-60}
 CACHE="$ROOT/.cache/gpu-bundle"
 OUT="$ROOT/.gpu-bundle"
@@ -71,12 +71,14 @@ pip_download() {  # pip_download <dir> <requirement...>
 
 mkdir -p "$CACHE/vllm" "$OUT/wheels"
 
-WHEEL=$(ls "$CACHE"/vllm/vllm-"$VLLM_VERSION"-*.whl 2>/dev/null | head -1 || true)
-if [ -z "$WHEEL" ]; then
+shopt -s nullglob
+found=("$CACHE"/vllm/vllm-"$VLLM_VERSION"-*.whl)
+if [ ${#found[@]} -eq 0 ]; then
   step "downloading vLLM $VLLM_VERSION's CUDA wheel (about 300 MB)"
   progress "vLLM download" "$CACHE/vllm-download.log" pip_download "$CACHE/vllm" "vllm==$VLLM_VERSION"
-  WHEEL=$(ls "$CACHE"/vllm/vllm-"$VLLM_VERSION"-*.whl | head -1)
+  found=("$CACHE"/vllm/vllm-"$VLLM_VERSION"-*.whl)
 fi
+WHEEL=${found[0]}
 step "vLLM wheel: $(basename "$WHEEL")"
 
 SLIM="$OUT/vllm-slim.tar.xz"
@@ -92,12 +94,13 @@ rm -f "$OUT"/wheels/*.whl
 progress "dependency download" "$CACHE/deps-download.log" pip_download "$OUT/wheels" "${DEPS[@]}"
 
 step "building memkv-vllm's wheel (maturin build --release; the first build compiles the workspace)"
+rm -rf "$CACHE/memkv"
 progress "maturin build" "$CACHE/maturin.log" "$MATURIN" build --release --out "$CACHE/memkv"
-MEMKV_WHEEL=$(ls -t "$CACHE"/memkv/memkv_vllm-*.whl | head -1)
-cp "$MEMKV_WHEEL" "$OUT/wheels/"
+cp "$CACHE"/memkv/memkv_vllm-*.whl "$OUT/wheels/"
+wheels=("$OUT"/wheels/*.whl)
 
 size_kb=$(du -sk "$OUT" | cut -f1)
-step "done: $OUT, $(( size_kb / 1024 )) MiB ($(ls "$OUT"/wheels | wc -l) wheels + vLLM's slim tree)"
+step "done: $OUT, $(( size_kb / 1024 )) MiB (${#wheels[@]} wheels + vLLM's slim tree)"
 if (( size_kb > LIMIT_MB * 1024 )); then
   echo "gpu-bundle: the bundle passes $LIMIT_MB MiB" >&2
   exit 1

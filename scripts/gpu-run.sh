@@ -23,9 +23,10 @@ PY=${PYTHON:-python3}
 }
 t0=$(date +%s)
 if [ ! -f "$SITE/.memkv-gpu-bundle" ]; then
-  echo "[gpu-run] installing $(ls "$BUNDLE"/wheels/*.whl | wc -l) wheels and vLLM into $SITE"
+  wheels=("$BUNDLE"/wheels/*.whl)
+  echo "[gpu-run] installing ${#wheels[@]} wheels and vLLM into $SITE"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" "$BUNDLE"/wheels/*.whl
+    --target "$SITE" "${wheels[@]}"
   tar -xJf "$BUNDLE/vllm-slim.tar.xz" -C "$SITE"
   touch "$SITE/.memkv-gpu-bundle"
 fi

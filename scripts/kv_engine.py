@@ -7,7 +7,7 @@ blocks it does not compute came from outside the process (memkv, vLLM's fs tier)
 
   python scripts/kv_engine.py --model DIR --prompts prompts.json --out result.json
          [--kv-config JSON] [--llm-args JSON] [--max-tokens 8]
-         [--wait-items N --servers HOST:PORT] [--wait-dir-bytes DIR:N]
+         [--wait-items N --servers HOST:PORT] [--wait-fs-blocks DIR:N]
 
 prompts.json: a list of {"name": ..., "ids": [token ids], "pool": false}. Per prompt, after a
 warm-up on an unrelated prompt shorter than a block (the first forward of a process pays one-time
@@ -17,8 +17,9 @@ with another engine). "pool": true then clears the GPU prefix cache (vLLM's CPU 
 blocks) and times the prompt once more: a hit from the CPU pool in the same engine.
 --llm-args: keyword arguments for vllm.LLM over this script's defaults (dtype, max_model_len,
 attention_backend, block_size, enable_cumem_allocator, load_format, ...): the device choices.
---wait-items / --wait-dir-bytes: before exiting, wait until the memkv server holds N values /
-the directory holds N bytes (the stores of the last prompt are asynchronous).
+--wait-items / --wait-fs-blocks: before exiting, wait until the memkv server holds N values /
+vLLM's fs tier has N block files (*.bin, each renamed into place once written) under DIR. The
+stores of the last prompt are asynchronous.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def server_items(servers: str) -> int:
         client.close()
 
 
-def dir_bytes(root: str) -> int:
-    return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())
+def fs_blocks(root: str) -> int:
+    return sum(1 for _ in Path(root).rglob("*.bin"))
 
 
 def serve(llm, ids: list[int], max_tokens: int) -> tuple[dict, object]:
@@ -82,7 +83,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--servers", default="")
     ap.add_argument("--wait-items", type=int, default=0)
-    ap.add_argument("--wait-dir-bytes", default="", help="DIR:BYTES")
+    ap.add_argument("--wait-fs-blocks", default="", help="DIR:N")
     ap.add_argument("--wait-timeout-s", type=float, default=120.0)
     args = ap.parse_args()
 
@@ -122,9 +123,9 @@ def main() -> int:
     if args.wait_items:
         wait_for(lambda: server_items(args.servers) >= args.wait_items,
                  f"{args.wait_items} values in memkv", args.wait_timeout_s)
-    if args.wait_dir_bytes:
-        root, n = args.wait_dir_bytes.rsplit(":", 1)
-        wait_for(lambda: dir_bytes(root) >= int(n), f"{n} bytes under {root}",
+    if args.wait_fs_blocks:
+        root, n = args.wait_fs_blocks.rsplit(":", 1)
+        wait_for(lambda: fs_blocks(root) >= int(n), f"{n} fs-tier blocks under {root}",
                  args.wait_timeout_s)
     result["metrics"] = engine_metrics(llm)
     Path(args.out).write_text(json.dumps(result, indent=1))
