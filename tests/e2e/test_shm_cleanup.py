@@ -16,7 +16,6 @@ tracker too and leaves them (docs/tier.md); the test removes what its engine lef
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import signal
 import sys
 import time
@@ -39,9 +38,10 @@ from vllm_procs import (  # noqa: E402
     complete,
     free_port,
     group_pids,
+    kill_group_left,
     shm_mappings,
     start_api_server,
-    wait_group_gone,
+    stop_group,
     wait_healthy,
 )
 
@@ -86,17 +86,9 @@ def test_the_cpu_pool_leaves_nothing_in_dev_shm(server, model, tmp_path, stop) -
         while server.stats()["puts"] == before:  # stores are asynchronous
             assert time.monotonic() < deadline, "no block reached memkv through the nameless pool"
             time.sleep(0.2)
-        if stop == "SIGTERM":
-            proc.send_signal(signal.SIGTERM)
-        else:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(120)
-        wait_group_gone(proc.pid)
+        stop_group(proc, signal.SIGTERM if stop == "SIGTERM" else signal.SIGKILL)
     finally:
-        if group_pids(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-            wait_group_gone(proc.pid)
+        kill_group_left(proc)
         # What this engine leaves (its pool's name, and the named files its processes mapped)
         # is listed, then removed whatever the outcome: the test must not leak it either.
         named = {m for m in mapped if not m.endswith(DELETED)} | ({pool} if pool else set())

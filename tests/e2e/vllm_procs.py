@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -132,3 +133,22 @@ def wait_group_gone(pgid: int, timeout: float = 120) -> None:
     while group_pids(pgid):
         assert time.monotonic() < deadline, f"processes of group {pgid} still alive"
         time.sleep(0.5)
+
+
+def stop_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """Stop an engine started in its own session: SIGTERM to its leader (a graceful shutdown), or
+    SIGKILL to its whole process group; returns once every process of the group is gone."""
+    if sig == signal.SIGKILL:
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        proc.send_signal(sig)
+    proc.wait(120)
+    wait_group_gone(proc.pid)
+
+
+def kill_group_left(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL whatever is left of an engine's process group (a test's cleanup)."""
+    if group_pids(proc.pid):
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        wait_group_gone(proc.pid)

@@ -9,7 +9,6 @@ before each server starts and after all its processes are gone.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 import urllib.request
@@ -24,10 +23,10 @@ from vllm_procs import (
     SHM,
     complete,
     free_port,
-    group_pids,
+    kill_group_left,
     shm_mappings,
     start_api_server,
-    wait_group_gone,
+    stop_group,
     wait_healthy,
 )
 
@@ -89,17 +88,9 @@ def serve_and_stop(tier: dict, name: str, stop: signal.Signals,
         base = f"http://127.0.0.1:{port}"
         wait_healthy(proc, base)
         check(base)
-        if stop == signal.SIGKILL:
-            os.killpg(proc.pid, signal.SIGKILL)
-        else:
-            proc.send_signal(stop)
-        proc.wait(120)
-        wait_group_gone(proc.pid)
+        stop_group(proc, stop)
     finally:
-        if group_pids(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-            wait_group_gone(proc.pid)
+        kill_group_left(proc)
     return set(SHM.iterdir()) - before
 
 
