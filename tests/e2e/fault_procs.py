@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 
 def run_fault_engine(model: str, address: str, work: Path, name: str, cases: list[dict],
                      server_pid: int = 0, wait_items: int = 0, timeout: int = 480,
-                     llm_args: dict | None = None) -> dict:
+                     llm_args: dict | None = None, final_items: int = 0) -> dict:
     """One direct_fault_engine.py process (its own session: whatever it leaves is killed).
     `llm_args`: vllm.LLM keyword arguments over the script's CPU defaults (a GPU's choices)."""
     out, plan = work / f"{name}.json", work / f"{name}-plan" / "plan.json"
@@ -32,7 +32,7 @@ def run_fault_engine(model: str, address: str, work: Path, name: str, cases: lis
     cmd = [sys.executable, str(HERE / "direct_fault_engine.py"), "--model", model,
            "--servers", address, "--out", str(out), "--cases", json.dumps(cases),
            "--server-pid", str(server_pid), "--wait-items", str(wait_items),
-           "--llm-args", json.dumps(llm_args or {})]
+           "--final-items", str(final_items), "--llm-args", json.dumps(llm_args or {})]
     log = work / f"{name}.log"
     queues_before = set(SHM.glob("psm_*")) | set(SHM.glob("sem.mp-*"))
     with open(log, "w") as f:

@@ -17,7 +17,7 @@ import signal
 
 import pytest
 from engines import BLOCK, PROMPT_BLOCKS
-from fault_procs import run_fault_engine, wait_for
+from fault_procs import run_fault_engine
 from memkv_procs import MemKVServer
 
 PREFIX_TOKENS = PROMPT_BLOCKS * BLOCK  # direct_fault_engine.py's 600-token prompts: 4 full blocks
@@ -34,13 +34,13 @@ def cluster(gpu_model, engine_args, tmp_path_factory):
     work = tmp_path_factory.mktemp("gpu-faults")
     try:
         cases = [{"name": n, "seeds": s} for n, s in PROMPTS.items()]
-        a = run_fault_engine(gpu_model, server.address, work, "a", cases, llm_args=engine_args)
-        wait_for(lambda: server.stats()["items"] == N_VALUES,
-                 "engine A's values did not all reach the server")
+        a = run_fault_engine(gpu_model, server.address, work, "a", cases, llm_args=engine_args,
+                             final_items=N_VALUES)
+        assert server.stats()["items"] == N_VALUES
         cold = {r["seed"]: r for runs in a["cases"].values() for r in runs}
         assert all(r["num_cached_tokens"] == 0 for r in cold.values())
         cases = [{"name": n, "seeds": s, "fault": FAULTS.get(n)} for n, s in PROMPTS.items()]
-        assert server.proc is not None
+        assert server.proc is not None and server.alive(), server.log()
         b = run_fault_engine(gpu_model, server.address, work, "b", cases,
                              server_pid=server.proc.pid, llm_args=engine_args)
         yield {"server": server, "cold": cold, "b": b["cases"]}
@@ -59,7 +59,8 @@ def same_as_cold(result: dict, cluster: dict) -> None:
 
 def test_values_that_are_there_are_loaded(cluster) -> None:
     (b,) = cluster["b"]["hit"]
-    assert b["num_cached_tokens"] == PREFIX_TOKENS and b["load_errors"] == []
+    assert b["num_cached_tokens"] == PREFIX_TOKENS, cluster["server"].log()[-3000:]
+    assert b["load_errors"] == []
     same_as_cold(b, cluster)
 
 
