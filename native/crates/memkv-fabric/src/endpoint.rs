@@ -67,7 +67,7 @@ impl Endpoint {
             std::ptr::null_mut(),
             std::ptr::null_mut(),
             std::ptr::null_mut(),
-            -1 as c_int,
+            -1,
         );
         // SAFETY: the domain and info are open for as long as `fab` lives.
         let r =

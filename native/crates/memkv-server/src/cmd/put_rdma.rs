@@ -22,7 +22,7 @@ impl<T: Transport> Conn<'_, T> {
     ) -> Result<bool, End> {
         let store = &*self.ctx.store;
         let mut st = vec![Status::Ok; items.len()];
-        let mut res: Vec<Option<Reservation>> = Vec::with_capacity(items.len());
+        let mut res: Vec<Option<Reservation<'_>>> = Vec::with_capacity(items.len());
         let mut ops = Vec::new();
         for (i, (key, d)) in items.iter().enumerate() {
             match store.reserve(key, d.len) {

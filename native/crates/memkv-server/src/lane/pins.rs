@@ -74,7 +74,7 @@ mod tests {
             put(&l, k);
         }
         // A slow reader holds four values mid-send: half the lane, the whole bound.
-        let held: Vec<Pinned> = ["a", "b", "c", "d"].iter().map(|k| fetch(&l, k)).collect();
+        let held: Vec<Pinned<'_>> = ["a", "b", "c", "d"].iter().map(|k| fetch(&l, k)).collect();
         assert_eq!(l.fetch(b"e").err(), Some(Status::NoSpace));
         assert_eq!(
             exists(&l, b"e", Duration::from_secs(9)).0,
@@ -82,7 +82,7 @@ mod tests {
         );
         // Writers are bounded apart from readers: new values still find room by evicting,
         // up to half the lane being received at once.
-        let rs: Vec<Reservation> = (0..4).map(|_| l.reserve(1, V).ok().unwrap()).collect();
+        let rs: Vec<Reservation<'_>> = (0..4).map(|_| l.reserve(1, V).ok().unwrap()).collect();
         assert_eq!(l.reserve(1, V).err(), Some(Status::NoSpace));
         drop(rs);
         drop(held);
