@@ -1,11 +1,13 @@
 //! libfabric for memkv's one-sided data path, loaded with dlopen at first use and never linked,
 //! so a process that never asks for RDMA (and a host without libfabric) is unaffected.
 //!
-//! `Fabric` is one provider's fabric and domain; `Mr` a memory registration (of host memory, or
-//! of GPU memory where the domain reaches it: `memory::locate` says which a buffer is);
-//! `MrCache` the client's bounded cache of them; `Endpoint` a reliable-datagram endpoint with its completion
-//! queue and address vector, which runs batches of RDMA reads and writes (`Endpoint::run`) and
-//! drives the provider's progress for a passive side (`Endpoint::progress`).
+//! `Fabric` (`fabric`) is one provider's fabric and domain, found and opened by `discovery`;
+//! `Mr` (`mr`) a memory registration (of host memory, or of GPU memory where the domain reaches
+//! it: `memory::locate` says which a buffer is); `MrCache` the client's bounded cache of them;
+//! `Endpoint` (`endpoint`) a reliable-datagram endpoint with its completion queue and address
+//! vector, which runs batches of RDMA reads and writes (`Endpoint::run`, their completion as
+//! `completion` and `fence` say) and drives the provider's progress for a passive side
+//! (`Endpoint::progress`). Every failure is a `FabricError` (`error`).
 //!
 //! Which provider: `verbs` (InfiniBand/RoCE) and `efa` where the hardware is, `tcp` (and
 //! `sockets`) anywhere, which is how the tests run the real path over loopback. Over the rxm
