@@ -1,7 +1,8 @@
 """`KVOffloader`: moves KV blocks between paged KV tensors and a memkv cluster, one value per block.
 
 A store job gathers each entry's blocks into a scratch slot (movers.py), and once the copy's fence
-has passed hands the slots to the `Offloader` (memkv_vllm.store.BlockStore) as one value each. A
+has passed hands the slots to the `Offloader` (memkv_vllm.core.store.BlockStore) as one value each.
+A
 load job reads values into scratch slots, then scatters the ones that arrived to their blocks. The
 KV tensors are never written by the network: a value that fails (evicted, server gone, timeout,
 wrong length) leaves its blocks untouched and is reported in `JobResult.failed_block_ids`, for the
@@ -38,10 +39,10 @@ from typing import Any
 
 import attrs
 
-from memkv_vllm.interface import Completion
+from memkv_vllm.core.interface import Completion
+from memkv_vllm.core.store import BlockStore
 from memkv_vllm.offload.movers import Fence, make_mover
 from memkv_vllm.offload.paged import Entry, PagedKV
-from memkv_vllm.store import BlockStore
 
 logger = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from memkv_vllm.client import MemKVClient  # noqa: E402
-from memkv_vllm.config import load_config  # noqa: E402
+from memkv_vllm.core.client import MemKVClient  # noqa: E402
+from memkv_vllm.core.config import load_config  # noqa: E402
+from memkv_vllm.core.store import BlockStore, StoreOptions  # noqa: E402
+from memkv_vllm.direct.keys import key_under  # noqa: E402
 from memkv_vllm.direct.worker import DirectWorker, Finished, job_entries  # noqa: E402
-from memkv_vllm.direct_keys import key_under  # noqa: E402
 from memkv_vllm.offload import Entry, KVOffloader, KVRef, PagedKV  # noqa: E402
-from memkv_vllm.store import BlockStore, StoreOptions  # noqa: E402
 
 PREFIX = b"mkD1" + bytes(16)
 BPC = 2  # GPU blocks per chunk

@@ -14,8 +14,8 @@ import torch
 from helpers import entries, offloader, run, until
 from layouts import LAYOUTS, all_bytes, block_bytes
 
-from memkv_vllm.client import MemKVClient, Status
-from memkv_vllm.config import load_config
+from memkv_vllm.core.client import MemKVClient, Status
+from memkv_vllm.core.config import load_config
 from memkv_vllm.offload import Entry, KVRef, PagedKV
 
 
