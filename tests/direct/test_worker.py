@@ -4,8 +4,6 @@ they are reported as vLLM's selected connector can bear."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import pytest
@@ -140,14 +138,11 @@ def test_wait_gives_up_a_load_stuck_on_a_frozen_server_and_it_never_writes(memkv
     w = worker(memkv_server.address, kv, op_timeout_s=3.0, wait_timeout_s=0.3)
     w.recompute_failed_loads = True
     before = [block(kv, t, b) for t in (0, 1) for b in (8, 9)]
-    os.kill(memkv_server.proc.pid, signal.SIGSTOP)
-    try:
+    with memkv_server.frozen():
         w.submit_load(2, [8, 9], [2], [0], [(b"f", 0)])
         t0 = time.monotonic()
         w.wait({2})  # jumps the queue, then gives up after wait_timeout_s
         assert time.monotonic() - t0 < 2.0
-    finally:
-        os.kill(memkv_server.proc.pid, signal.SIGCONT)
     f = finish(w, 2)  # the value may still arrive: it must not be written any more
     assert f.success and w.take_failed_block_ids() == {8, 9}
     assert [block(kv, t, b) for t in (0, 1) for b in (8, 9)] == before
