@@ -241,7 +241,7 @@ class KVOffloader:
                 fence.wait()  # type: ignore[union-attr]  # outside the lock, without the GIL
             except Exception as e:  # a failed copy fails its batch, never this thread
                 with self._changed:
-                    if self._stopping:  # close has failed the batch and owns the mover
+                    if self._stopping:  # close fails the batch and owns the mover now
                         return
                     if self._copying and self._copying[0] is batch:
                         self._copying.popleft()

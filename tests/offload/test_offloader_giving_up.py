@@ -45,6 +45,7 @@ def make(kv: PagedKV, store: GatedStore) -> Iterator[Callable[..., KVOffloader]]
         while io := store.in_flight():  # queued values go out as others are answered
             deliver(off, store, io[0].io_id, ok=False)
         off.close()
+    assert store.closed  # the offloader owns its store
 
 
 @pytest.fixture

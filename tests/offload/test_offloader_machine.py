@@ -66,10 +66,16 @@ class GivingUpMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     def teardown(self) -> None:
-        while io := self.store.in_flight():  # queued values go out as others are answered
-            deliver(self.off, self.store, io[0].io_id, ok=False)
-        self.off.close()
-        logging.getLogger("memkv_vllm.offload").removeHandler(self.errors)
+        """Every job is answered by close at the latest, and only once."""
+        try:
+            while io := self.store.in_flight():  # queued values go out as others are answered
+                deliver(self.off, self.store, io[0].io_id, ok=False)
+            self.off.close()
+            self._take(self.off.poll())
+            assert not self.open, f"jobs never answered: {sorted(self.open)}"
+            assert self.store.closed
+        finally:
+            logging.getLogger("memkv_vllm.offload").removeHandler(self.errors)
 
     # ------------------------------------------------------------------ helpers
     def _fill(self, blocks: list[int], byte: int) -> None:
