@@ -1,4 +1,4 @@
-"""memkv_vllm.config: precedence, parsing, validation, and that the auth key never leaks."""
+"""memkv_vllm.core.config: precedence, parsing, validation, and that the auth key never leaks."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memkv_vllm import config as cfgmod
-from memkv_vllm.config import (
+from memkv_vllm.core import config as cfgmod
+from memkv_vllm.core.config import (
     CONFIG_KEYS,
     ConfigError,
     MemKVConfig,
@@ -243,7 +243,7 @@ def test_unknown_override_raises() -> None:
 
 def test_unknown_env_var_only_warns_once(caplog: pytest.LogCaptureFixture) -> None:
     env = {"MEMKV_SERVRES": "a:1", "MEMKV_LOG": "debug", "MEMKV_LISTEN": "0.0.0.0:1", "OTHER": "x"}
-    with caplog.at_level(logging.WARNING, logger="memkv_vllm.config"):
+    with caplog.at_level(logging.WARNING, logger="memkv_vllm.core.config"):
         assert load_config(env=env) == MemKVConfig()
         load_config(env=env)
     msgs = [r.getMessage() for r in caplog.records]
