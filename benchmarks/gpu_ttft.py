@@ -128,7 +128,7 @@ def prompt_ids(prefix: int) -> list[int]:
 
 def same_host_transport(name: str) -> str | None:
     """Why the same-host slot cannot run, or None when memkv_vllm's config takes `name`."""
-    from memkv_vllm.config import CONFIG_KEYS, ConfigError, load_config
+    from memkv_vllm.core.config import CONFIG_KEYS, ConfigError, load_config
 
     if "transport" not in CONFIG_KEYS:
         return "memkv_vllm's config has no transport setting"
@@ -297,7 +297,7 @@ def print_table(rows: list[dict], h2d: float, kv_token: int) -> None:
         speed = f"{r['speedup']:.1f}x" if r["speedup"] else "-"
         share = f"{r['share_of_h2d']:.0%}" if r["share_of_h2d"] is not None and r["load_gbps"] \
             else "-"
-        rate = f"{r['load_gbps']:.1f}" if r["load_gbps"] else "-"
+        rate = f"{r['load_gbps']:.2f}" if r["load_gbps"] else "-"
         print(f"{r['prefix']:>7} {r['mode']:<16}{r['ttft_ms']:>9.0f}{speed:>9}"
               f"{r['tokens_from_outside']:>11}{r['kv_gb']:>8.2f}{rate:>10}{share:>8}")
 

@@ -48,8 +48,8 @@ def wait_for(cond, what: str, timeout: float) -> None:
 
 
 def server_items(servers: str) -> int:
-    from memkv_vllm.client import MemKVClient
-    from memkv_vllm.config import load_config
+    from memkv_vllm.core.client import MemKVClient
+    from memkv_vllm.core.config import load_config
 
     client = MemKVClient.from_config(load_config({"servers": servers}))
     try:
