@@ -31,8 +31,8 @@ from vllm_procs import (
 )
 
 # What process pools' semaphores and queues leave after a SIGKILL of the group: Python's
-# multiprocessing (vLLM's executor queues: psm_, sem.mp-) and loky's (joblib's pools, which the
-# GPU host's compile workers use: sem.loky-). Their resource trackers, which remove them on any
+# multiprocessing (vLLM's executor queues: psm_, sem.mp-) and loky's (joblib's process pools, which
+# a library of the GPU host started: sem.loky-). Their resource trackers, which remove them on any
 # other exit, are killed too (docs/tier.md). Nothing else may be left: no CPU pool file, nothing
 # of memkv's.
 QUEUES = ("psm_", "sem.mp-", "sem.loky-")
