@@ -6,7 +6,8 @@ The JSON names the cluster (`config`: memkv_vllm.core.config settings), the `eng
 node's board directory (`root`), the worker ranks it holds (`publish`: rank -> prefix hex) and,
 for the scheduler's node, the world size to `adopt` (with `wait_s`, `since`). It prints one JSON
 line once it has published ({"host", "pid"}), then, when adopting, {"adopted": hex} or
-{"error": message}; with `hold` it stays alive (its entries stay live) until stdin closes.
+{"error": message} with the "seconds" adopting took; with `hold` it stays alive (its entries
+stay live) until stdin closes.
 Run it under `unshare --uts` with another host name to make it another host.
 """
 
@@ -16,6 +17,7 @@ import json
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 from memkv_vllm.core.backends import make_client
@@ -32,10 +34,12 @@ def main() -> None:
         board.publish(int(rank), bytes.fromhex(prefix))
     print(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}), flush=True)
     if spec.get("adopt"):
+        t0 = time.monotonic()
         try:
-            print(json.dumps({"adopted": board.adopt(spec["adopt"]).hex()}), flush=True)
+            out = {"adopted": board.adopt(spec["adopt"]).hex()}
         except PrefixMismatch as e:
-            print(json.dumps({"error": str(e)}), flush=True)
+            out = {"error": str(e)}
+        print(json.dumps({**out, "seconds": time.monotonic() - t0}), flush=True)
     if spec.get("hold"):
         sys.stdin.read()
     client.close()

@@ -152,19 +152,21 @@ def spawn(nodes: list[Node], tmp_path: Path, host: str | None, **spec: object) -
     return n
 
 
+@pytest.mark.slow
 def test_two_nodes_agree_through_the_cluster(cluster, board_client, nodes, tmp_path) -> None:
     eid = f"e-{uuid.uuid4().hex}"
     b = spawn(nodes, tmp_path, "nodeb", config=cluster, engine=eid,
               publish={"2": P.hex(), "3": P.hex()}, hold=True)
     a = spawn(nodes, tmp_path, "nodea", config=cluster, engine=eid,
               publish={"0": P.hex(), "1": P.hex()}, adopt=4, wait_s=5)
-    assert a.line() == {"adopted": P.hex()}
+    assert a.line()["adopted"] == P.hex()
     a.end()
     b.end()
     # The scheduler removed the entries from the cluster once read.
     assert PrefixBoard(eid, board_client, tmp_path / "empty").read(4) == dict.fromkeys(range(4))
 
 
+@pytest.mark.slow
 def test_a_rank_on_another_node_that_disagrees_is_named_with_its_host(
         cluster, nodes, tmp_path) -> None:
     eid = f"e-{uuid.uuid4().hex}"
@@ -179,21 +181,22 @@ def test_a_rank_on_another_node_that_disagrees_is_named_with_its_host(
     b.end()
 
 
+@pytest.mark.slow
 def test_a_node_that_publishes_nothing_is_named_after_a_bounded_wait(
         cluster, nodes, tmp_path) -> None:
     eid = f"e-{uuid.uuid4().hex}"
-    t0 = time.monotonic()
     a = spawn(nodes, tmp_path, "nodea", config=cluster, engine=eid,
               publish={"0": P.hex(), "1": P.hex()}, adopt=4, wait_s=1.0)
-    err = a.line()["error"]
-    elapsed = time.monotonic() - t0
+    out = a.line()
+    err = out["error"]
     assert "rank(s) [2, 3] published no live key prefix within 1 s" in err
     assert "rank 2: no entry, its node published nothing" in err
     assert "rank 0 on host nodea" in err and "this scheduler runs on host nodea" in err
-    assert elapsed < 1.0 + 5  # the wait, plus starting the node process
+    assert 1.0 <= out["seconds"] < 1.0 + 2.0  # the wait, plus the last poll's reads
     a.end()
 
 
+@pytest.mark.slow
 def test_a_dead_engines_entry_on_this_host_is_stale(cluster, board_client, nodes,
                                                     tmp_path) -> None:
     eid = f"e-{uuid.uuid4().hex}"
@@ -209,6 +212,7 @@ def test_a_dead_engines_entry_on_this_host_is_stale(cluster, board_client, nodes
         board.adopt(2)
 
 
+@pytest.mark.slow
 def test_a_dead_engines_entry_from_another_host_is_stale_and_a_live_one_replaces_it(
         cluster, board_client, nodes, tmp_path) -> None:
     eid = f"e-{uuid.uuid4().hex}"
