@@ -139,6 +139,20 @@ def proc_start(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])  # field 22, counted after the command name
 
 
+def _running(pid: int, pstart: int) -> bool:
+    """Is the process that recorded (pid, pstart) still running? Without /proc (pstart 0) only
+    the pid can be checked."""
+    if pstart:
+        return proc_start(pid) == pstart
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def process_started_at(pid: int | None = None) -> float:
     """Wall-clock time at which process `pid` (this one by default) started; 0.0 where /proc
     cannot tell."""
@@ -196,7 +210,7 @@ class Entry:
         if age > self.lease_s:
             return f"expired: published {age:.0f} s ago, lease {self.lease_s:g} s"
         if (self.host, self.boot) == (socket.gethostname(), _boot_id()):
-            if proc_start(self.pid) != self.pstart:
+            if not _running(self.pid, self.pstart):
                 return f"stale: its process {self.pid} has exited (a dead engine's entry)"
             return None  # a running process of this host: live whatever the clocks say
         if self.published < since - CLOCK_SKEW_S:
