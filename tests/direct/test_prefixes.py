@@ -108,14 +108,17 @@ def board_client(cluster: dict) -> Iterator[object]:
 
 
 class Node:
-    """A board_node.py process; `host` None keeps this host's name."""
+    """A board_node.py process; `host` None keeps this host's name; `netns` runs it in that
+    network namespace."""
 
-    def __init__(self, spec: dict, host: str | None) -> None:
+    def __init__(self, spec: dict, host: str | None, netns: str | None = None) -> None:
         cmd = [sys.executable, str(BOARD_NODE), json.dumps(spec)]
         if host is not None:
             if os.geteuid() != 0 or shutil.which("unshare") is None:
                 pytest.skip("a host name of its own needs root and unshare (util-linux)")
             cmd = ["unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "sh", *cmd]
+        if netns is not None:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -145,9 +148,10 @@ def nodes(tmp_path: Path) -> Iterator[list[Node]]:
             n.proc.wait(10)
 
 
-def spawn(nodes: list[Node], tmp_path: Path, host: str | None, **spec: object) -> Node:
+def spawn(nodes: list[Node], tmp_path: Path, host: str | None, netns: str | None = None,
+          **spec: object) -> Node:
     spec.setdefault("root", str(tmp_path / f"board-{host}"))
-    n = Node(spec, host)
+    n = Node(spec, host, netns)
     nodes.append(n)
     return n
 
@@ -164,6 +168,24 @@ def test_two_nodes_agree_through_the_cluster(cluster, board_client, nodes, tmp_p
     b.end()
     # The scheduler removed the entries from the cluster once read.
     assert PrefixBoard(eid, board_client, tmp_path / "empty").read(4) == dict.fromkeys(range(4))
+
+
+@pytest.mark.slow
+def test_a_node_on_a_network_stack_of_its_own_reaches_the_board_through_its_link(
+        net_hosts, memkv_server_factory, nodes, tmp_path) -> None:
+    """Node B in a network namespace whose only way out is its veth pair; the server listens
+    on the root namespace's end of that pair, where node A (the scheduler's) finds it too."""
+    b_host = net_hosts.add()
+    server = memkv_server_factory(memory="32M", lanes=1, listen=f"{b_host.peer}:0")
+    cfg = {"servers": [server.address], "connect_timeout_s": 1, "op_timeout_s": 5}
+    eid = f"e-{uuid.uuid4().hex}"
+    b = spawn(nodes, tmp_path, "nodeb", b_host.ns, config=cfg, engine=eid,
+              publish={"1": P.hex()}, hold=True)
+    a = spawn(nodes, tmp_path, "nodea", config=cfg, engine=eid, publish={"0": P.hex()},
+              adopt=2, wait_s=5)
+    assert a.line()["adopted"] == P.hex()
+    a.end()
+    b.end()
 
 
 @pytest.mark.slow
