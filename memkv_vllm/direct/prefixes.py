@@ -59,6 +59,7 @@ import logging
 import os
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -96,10 +97,16 @@ def adopt(published: Mapping[int, bytes | None], world_size: int,
             f"memkv direct mode: worker rank(s) {missing} published no key prefix (a worker "
             f"failed to register its KV cache, or runs on another host than the scheduler)"
             f"{_published_on(published, where)}")
-    ref_rank = 0
+    return agreed({r: published[r] for r in range(world_size)}, where)
+
+
+def agreed(published: Mapping[int, bytes | None], where: Mapping[int, str]) -> bytes:
+    """The prefix of the lowest rank in `published`, if every rank there has the same; else
+    raises PrefixMismatch naming the ranks that differ (with their hosts from `where`)."""
+    ref_rank = min(published)
     ref = published[ref_rank]
     assert ref is not None
-    bad = {r: published[r] for r in range(world_size) if published[r] != ref}
+    bad = {r: p for r, p in published.items() if p != ref}
     if bad:
         shown = ", ".join(f"rank {r}{_on(where, r)}: {p.hex() if p else None}"
                           for r, p in sorted(bad.items()))
@@ -253,6 +260,7 @@ class PrefixBoard:
         # When this engine started: its scheduler's process start (vLLM starts it before the
         # workers), unless the caller knows better.
         self.since = process_started_at() if since is None else since
+        self._read_remote = False  # did the last adopt() read the cluster?
 
     def key(self, rank: int) -> bytes:
         """The cluster key of `rank`'s entry."""
@@ -362,23 +370,38 @@ class PrefixBoard:
 
         for r, e in self._read_local(world_size).items():
             take(r, e)
-        found, out.unreadable = self._read_cluster(out.not_live(world_size))
+        remote = out.not_live(world_size)
+        self._read_remote = self._read_remote or bool(remote)
+        found, out.unreadable = self._read_cluster(remote)
         for r, e in found.items():
             take(r, e)
         return out
 
     def adopt(self, world_size: int) -> bytes:
-        """Scheduler: the agreed prefix (see the module doc), waiting at most `wait_s` for ranks
-        without a live entry. The entries are removed either way, so a later engine with the
-        same id never reads them."""
+        """Scheduler: the agreed prefix (see the module doc), waiting at most `wait_s` (plus the
+        last read's `op_timeout_s` where the cluster does not answer) for ranks without a live
+        entry. The entries are removed either way, so a later engine with the same id never
+        reads them."""
+        self._read_remote = False
         try:
             return self._adopt(world_size)
         finally:
             for r in range(world_size):
                 self._path(r).unlink(missing_ok=True)
             if self._codes is not None:
-                with contextlib.suppress(Exception):  # removal is housekeeping only
-                    self._codes.delete([self.key(r) for r in range(world_size)])
+                keys = [self.key(r) for r in range(world_size)]
+                if self._read_remote:
+                    self._remove(keys)  # the cluster just answered: quick
+                else:
+                    # Every rank was on this host: the start must not wait for a cluster that
+                    # may be partitioned away to remove the workers' copies.
+                    threading.Thread(target=self._remove, args=(keys,), daemon=True,
+                                     name="memkv-board-remove").start()
+
+    def _remove(self, keys: list[bytes]) -> None:
+        assert self._codes is not None
+        with contextlib.suppress(Exception):  # housekeeping only: a lease expires the rest
+            self._codes.delete(keys)
 
     def _adopt(self, world_size: int) -> bytes:
         deadline = time.monotonic() + self.wait_s
@@ -387,7 +410,7 @@ class PrefixBoard:
             where = {r: e.where() for r, e in reading.live.items()}
             # Live ranks that disagree stop the start at once: waiting cannot change them.
             if len({e.prefix for e in reading.live.values()}) > 1:
-                return adopt({r: e.prefix for r, e in reading.live.items()}, world_size, where)
+                return agreed({r: e.prefix for r, e in reading.live.items()}, where)
             if not reading.not_live(world_size):
                 return adopt({r: e.prefix for r, e in reading.live.items()}, world_size, where)
             if time.monotonic() >= deadline:

@@ -61,6 +61,17 @@ def test_one_host_needs_no_cluster_and_leaves_no_files(tmp_path) -> None:
         PrefixBoard("engine-1", None, root, wait_s=0).adopt(2)
 
 
+def test_ranks_that_disagree_stop_the_start_without_waiting_for_the_rest(tmp_path) -> None:
+    root = tmp_path / "board"
+    PrefixBoard("engine-1", None, root).publish(0, P)
+    PrefixBoard("engine-1", None, root).publish(1, Q)
+    t0 = time.monotonic()
+    with pytest.raises(PrefixMismatch, match=rf"disagree.*rank 0 on host \S+ \(pid {os.getpid()}"
+                                             rf"\): {P.hex()}; rank 1 .*: {Q.hex()}"):
+        PrefixBoard("engine-1", None, root, wait_s=30).adopt(3)  # rank 2 never publishes
+    assert time.monotonic() - t0 < 10
+
+
 def test_board_refuses_a_directory_others_can_write(tmp_path) -> None:
     root = tmp_path / "board"
     root.mkdir(mode=0o777)
