@@ -24,6 +24,8 @@ import pytest
 
 from memkv_vllm.core.client import MemKVClient, Status
 from memkv_vllm.core.config import load_config
+from memkv_vllm.core.interface import Completion, Lookup
+from memkv_vllm.core.store import BlockStore, StoreOptions
 
 pytestmark = pytest.mark.slow
 
@@ -202,3 +204,80 @@ def test_servers_added_and_removed_under_traffic(net_hosts, three) -> None:
     assert traffic.reads.worst_s <= OP_S + SLACK_S
     for c in (old, grown, shrunk):
         c.close()
+
+
+def lookups(bs: BlockStore, keys: Sequence[bytes]) -> dict[bytes, Lookup]:
+    """Each key's verdict, stepping the store as a scheduler does (lookup, then flush)."""
+    out: dict[bytes, Lookup] = {}
+    deadline = time.monotonic() + 3 * OP_S + SLACK_S
+    while len(out) < len(keys):
+        assert time.monotonic() < deadline, "lookups stayed pending past the lookup timeout"
+        for k in keys:
+            if k not in out and (v := bs.lookup(k)) is not Lookup.PENDING:
+                out[k] = v
+        bs.flush_lookups()
+        time.sleep(0.01)
+    return out
+
+
+def load(bs: BlockStore, job_id: int, keys: Sequence[bytes], dst: np.ndarray) -> Completion:
+    dst.fill(0xA5)
+    bs.submit_load(job_id, keys, [int(dst[i].ctypes.data) for i in range(len(keys))],
+                   [VALUE] * len(keys))
+    deadline = time.monotonic() + 2 * OP_S + SLACK_S
+    while not (done := bs.poll()):
+        assert time.monotonic() < deadline, "load job did not complete"
+        bs.wait_any(0.05)
+    (c,) = done
+    for i, k in enumerate(keys):
+        if k in c.ok_keys:
+            assert np.array_equal(dst[i], value_of(k)), f"wrong bytes for {k!r}"
+    return c
+
+
+@pytest.mark.parametrize("lookup_timeout_s", [OP_S / 2, 2 * OP_S])
+def test_the_block_store_through_a_partition(three, lookup_timeout_s: float) -> None:
+    """The engines' layer: lookups of the black-holed server's keys answer MISS and its loads
+    fail, each within the deadlines; the rest load their bytes and, where the lookup timeout
+    outlasts the op deadline, hit at once; after the heal the same store hits and loads
+    everything again."""
+    client = client_for(three)
+    keys = [f"store/{i}".encode() for i in range(96)]
+    assert set(store(client, keys)) == {Status.OK}
+    victim = three[0]
+    cut = {k for k in keys if client.server_of(k) == victim.address}
+    bs = BlockStore(client.codes, StoreOptions(
+        n_read_threads=2, n_write_threads=1, lookup_timeout_s=lookup_timeout_s, miss_ttl_s=0.3,
+        failed_load_miss_ttl_s=0.0))
+    dst = np.zeros((len(keys), VALUE), dtype=np.uint8)
+    bs.register_buffer(int(dst.ctypes.data), dst.nbytes, owner=dst)
+    victim.blackhole()
+    t0 = time.monotonic()
+    verdicts = lookups(bs, keys)
+    assert time.monotonic() - t0 <= OP_S + SLACK_S + 0.5  # one lookup timeout, a few steps
+    hits = {k for k, v in verdicts.items() if v is Lookup.HIT}
+    if lookup_timeout_s > OP_S:
+        # The first probe that meets the silent server returns at the op deadline with the
+        # other servers' answers.
+        assert hits == set(keys) - cut
+    else:
+        # It outlasts the lookup timeout: the whole probe answers MISS (docs/deploy.md), and
+        # the next one, the server marked down by then, hits the other servers' keys.
+        assert hits == set()
+        deadline = time.monotonic() + 2 * OP_S + SLACK_S
+        while {k for k, v in lookups(bs, keys).items() if v is Lookup.HIT} != set(keys) - cut:
+            assert time.monotonic() < deadline, "the other servers' keys did not hit again"
+    t0 = time.monotonic()
+    c = load(bs, 1, keys, dst)
+    assert time.monotonic() - t0 <= OP_S + SLACK_S
+    assert not c.ok and set(c.ok_keys) == set(keys) - cut
+    victim.heal()
+    deadline = time.monotonic() + HEAL_WITHIN_S
+    job = 2
+    while not load(bs, job, keys, dst).ok:  # same store, same client
+        assert time.monotonic() < deadline, "loads did not come back after the route healed"
+        job += 1
+        time.sleep(0.1)
+    bs.unregister_buffer(int(dst.ctypes.data))
+    bs.close()
+    client.close()
