@@ -349,9 +349,9 @@ class PrefixBoard:
         found: dict[int, Entry] = {}
         failed: dict[int, str] = {}
         for r, b, st in zip(ranks, bufs, codes, strict=True):
-            e = Entry.decode(b.raw) if st == Status.OK else None
-            if e is not None:
-                found[r] = e
+            entry = Entry.decode(b.raw) if st == Status.OK else None
+            if entry is not None:
+                found[r] = entry
             elif st not in (Status.OK, Status.NOT_FOUND, Status.LENGTH_MISMATCH):
                 failed[r] = Status(st).name
         return found, failed
