@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 
 
 def take_option(args: list[str], name: str) -> tuple[str | None, list[str]]:
@@ -22,7 +23,7 @@ def take_option(args: list[str], name: str) -> tuple[str | None, list[str]]:
     return None, args
 
 
-def bench_with_plot(native: object, args: list[str], png: str) -> int:
+def bench_with_plot(cli_main: Callable[[list[str]], int], args: list[str], png: str) -> int:
     from memkv_vllm import plots
 
     plots.pyplot()  # fail before a long benchmark, not after it
@@ -33,7 +34,7 @@ def bench_with_plot(native: object, args: list[str], png: str) -> int:
         os.close(fd)
         data = tmp
     try:
-        rc = native.cli_main(["memkv", *args, "--json", data])  # type: ignore[attr-defined]
+        rc = cli_main(["memkv", *args, "--json", data])
         if rc == 0:
             with open(data) as f:
                 plots.bench_figure(json.load(f), png)
@@ -51,7 +52,7 @@ def main() -> int:
     if args[:1] == ["bench"]:
         png, rest = take_option(args, "--plot")
         if png is not None:
-            return bench_with_plot(_native, rest, png)
+            return bench_with_plot(_native.cli_main, rest, png)
     return _native.cli_main(["memkv", *args])
 
 

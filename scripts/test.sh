@@ -25,7 +25,7 @@ cd "$ROOT"
 PY="${PYTHON:-python3}"
 VENV="$ROOT/.venv"
 # Build and test dependencies of .venv; keep in step with pyproject's [test] extra.
-DEPS=(maturin pytest hypothesis ruff attrs pyyaml packaging numpy matplotlib redis hiredis)
+DEPS=(maturin pytest hypothesis ruff mypy attrs pyyaml packaging numpy matplotlib redis hiredis)
 VLLM_VENVS=(.venv-vllm .venv-vllm-0.25)
 
 run_rust=1 run_e2e=1 setup_only=0
@@ -80,7 +80,7 @@ ensure_venv() {
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q "${DEPS[@]}"
   echo "$want" > "$stamp"
-  "$VENV/bin/python" -m pip list 2>/dev/null | grep -i -E '^(maturin|pytest|hypothesis|ruff) '
+  "$VENV/bin/python" -m pip list 2>/dev/null | grep -i -E '^(maturin|pytest|hypothesis|ruff|mypy) '
 }
 # The Redis backend's tests start a real Redis Cluster from the distribution's redis-server
 # (redis-cli comes with it); without it they skip themselves, saying how to install it.

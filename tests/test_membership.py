@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from memkv_vllm._native import rendezvous
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,6 +7,7 @@ import sys
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from memkv_vllm._native import rendezvous
 
 servers_st = st.lists(

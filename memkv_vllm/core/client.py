@@ -68,18 +68,18 @@ class CodesOp:
 
     __slots__ = ("_op",)
 
-    def __init__(self, op: Any) -> None:
+    def __init__(self, op: _native.Op) -> None:
         self._op = op
 
     def done(self) -> bool:
-        return bool(self._op.done())
+        return self._op.done()
 
     def wait(self, timeout: float | None = None) -> bytes | None:
-        return self._op.wait(timeout)  # type: ignore[no-any-return]
+        return self._op.wait(timeout)
 
     def wait_lengths(self, timeout: float | None = None) -> tuple[bytes, list[int]] | None:
         """For EXISTS ops: (status codes, stored value length per key)."""
-        return self._op.wait_lengths(timeout)  # type: ignore[no-any-return]
+        return self._op.wait_lengths(timeout)
 
 
 class Op:
@@ -114,38 +114,38 @@ class CodesClient:
 
     __slots__ = ("_c",)
 
-    def __init__(self, native: Any) -> None:
+    def __init__(self, native: _native.Client) -> None:
         self._c = native
 
     # -- blocking calls (GIL released during I/O) ------------------------------------------
 
     def exists(self, keys: Sequence[bytes], lease_ms: int = 0) -> bytes:
-        return self._c.exists(keys, lease_ms)  # type: ignore[no-any-return]
+        return self._c.exists(keys, lease_ms)
 
     def exists_lengths(self, keys: Sequence[bytes], lease_ms: int = 0
                        ) -> tuple[bytes, list[int]]:
-        return self._c.exists_lengths(keys, lease_ms)  # type: ignore[no-any-return]
+        return self._c.exists_lengths(keys, lease_ms)
 
     def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> bytes:
         ptrs, sizes = _addresses(values, writable=False)
-        return self._c.put(list(keys), ptrs, sizes)  # type: ignore[no-any-return]
+        return self._c.put(list(keys), ptrs, sizes)
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> bytes:
         ptrs, sizes = _addresses(buffers, writable=True)
-        return self._c.get_into(list(keys), ptrs, sizes)  # type: ignore[no-any-return]
+        return self._c.get_into(list(keys), ptrs, sizes)
 
     def put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
                  ) -> bytes:
         """UNSAFE, as :meth:`MemKVClient.put_ptrs`."""
-        return self._c.put(list(keys), list(ptrs), list(sizes))  # type: ignore[no-any-return]
+        return self._c.put(list(keys), list(ptrs), list(sizes))
 
     def get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
                       ) -> bytes:
         """UNSAFE, as :meth:`MemKVClient.get_into_ptrs`."""
-        return self._c.get_into(list(keys), list(ptrs), list(sizes))  # type: ignore[no-any-return]
+        return self._c.get_into(list(keys), list(ptrs), list(sizes))
 
     def delete(self, keys: Sequence[bytes]) -> bytes:
-        return self._c.delete(keys)  # type: ignore[no-any-return]
+        return self._c.delete(keys)
 
     # -- submitted calls (native I/O threads; owners kept alive until done) ------------------
 
@@ -172,7 +172,7 @@ class CodesClient:
     def close(self) -> None:
         """Drops the connections (once the I/O threads finish what was submitted), also for
         holders of this object such as a block store."""
-        self._c = None
+        self._c = None  # type: ignore[assignment]  # closed: a later call fails on None
 
 
 def _addresses(objs: Sequence[Any], writable: bool) -> tuple[list[int], list[int]]:
@@ -318,13 +318,13 @@ class MemKVClient:
         transport is RDMA and its provider registers GPU memory, FI_HMEM; asked for with
         ``gpu_memory=True``), else ``(False, why not)``. Device memory it cannot move is refused
         with ValueError before any byte moves."""
-        return self._c.gpu_memory()  # type: ignore[no-any-return]
+        return self._c.gpu_memory()
 
     def rdma_provider(self) -> str | None:
         """The libfabric provider values move through (``verbs``, ``shm``, ...); None over TCP."""
-        return self._c.rdma_provider()  # type: ignore[no-any-return]
+        return self._c.rdma_provider()
 
     def close(self) -> None:
         """Drops the connections (once the I/O threads finish what was submitted)."""
         self.codes.close()
-        self._c = None  # type: ignore[assignment]
+        self._c = None  # type: ignore[assignment]  # closed: a later call fails on None

@@ -38,7 +38,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from memkv_vllm.core.config import MemKVConfig
 from memkv_vllm.core.interface import Status
@@ -168,8 +168,9 @@ class RedisBlockClient:
         try:
             from hiredis import pack_command
         except ImportError:  # redis-py without hiredis still works, just slower
-            pack_command = None
-        self._hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None = pack_command
+            self._hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None = None
+        else:
+            self._hiredis_pack = pack_command
         from redis.cluster import LoadBalancingStrategy
 
         # Reads (GET, EXISTS, TOUCH) round-robin over a shard's primary and replicas when asked.
@@ -249,7 +250,7 @@ class RedisBlockClient:
         host, port = self._hosts()[0]
         return redis.Redis(host=host, port=port, retry=retry, **kw)
 
-    def _detect_mode(self, kw: dict[str, Any]) -> str:
+    def _detect_mode(self, kw: dict[str, Any]) -> Literal["cluster", "standalone"]:
         import redis
 
         last: Exception | None = None

@@ -219,7 +219,7 @@ class KVOffloader:
                 if batch is not None:
                     self._io_done(batch, c)
                     progressed = True
-            while self._copying and self._copying[0].fence.done():  # type: ignore[union-attr]
+            while self._copying and self._copying[0].fence.done():  # type: ignore[union-attr]  # set before queued
                 self._copied(self._copying.popleft())
                 progressed = True
             progressed = self._start_next() or progressed
@@ -238,7 +238,7 @@ class KVOffloader:
                 batch = self._copying[0]
                 fence = batch.fence
             try:
-                fence.wait()  # type: ignore[union-attr]  # outside the lock, without the GIL
+                fence.wait()  # type: ignore[union-attr]  # set before queued; outside the lock, no GIL
             except Exception as e:  # a failed copy fails its batch, never this thread
                 with self._changed:
                     if self._stopping:  # close fails the batch and owns the mover now

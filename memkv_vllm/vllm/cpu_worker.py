@@ -237,7 +237,7 @@ def cpu_tiering_spec_class() -> type:
         a = api()
         worker_cls = a.offloading_worker_class(ThreadedCopyWorker)
 
-        class CPUPlatformTieringOffloadingSpec(tiering_spec_class()):  # type: ignore[misc]
+        class CPUPlatformTieringOffloadingSpec(tiering_spec_class()):  # type: ignore[misc]  # base made by compat
             """Upstream TieringOffloadingSpec whose worker runs on vLLM's CPU platform."""
 
             def get_worker(self, kv_caches: Any) -> Any:

@@ -102,7 +102,7 @@ def tiering_spec_class() -> type:
     global _spec_cls
     if _spec_cls is None:
 
-        class NamelessPoolTieringOffloadingSpec(api().tiering_spec_class()):  # type: ignore[misc]
+        class NamelessPoolTieringOffloadingSpec(api().tiering_spec_class()):  # type: ignore[misc]  # base made by compat
             """Upstream TieringOffloadingSpec; the scheduler drops the pool's name (module doc)."""
 
             def get_manager(self) -> Any:

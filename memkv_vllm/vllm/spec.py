@@ -40,7 +40,7 @@ _API = api()
 _BASES = _API.direct_base_classes()
 
 
-class MemKVLoadStoreSpec(_BASES.load_store_spec):  # type: ignore[misc,name-defined]
+class MemKVLoadStoreSpec(_BASES.load_store_spec):  # type: ignore[name-defined]  # base made by compat
     """The cluster side of one job: its chunks (block hash, key group) in job order. Crosses
     from the scheduler to the workers by pickle, so it holds plain values only."""
 
@@ -55,7 +55,7 @@ class MemKVLoadStoreSpec(_BASES.load_store_spec):  # type: ignore[misc,name-defi
         return f"MemKVLoadStoreSpec({len(self.chunks)} chunks)"
 
 
-class MemKVOffloadingManager(_BASES.manager):  # type: ignore[misc,name-defined]
+class MemKVOffloadingManager(_BASES.manager):  # type: ignore[name-defined]  # base made by compat
     """Scheduler side: vLLM's OffloadingManager calls, answered by `DirectManager`. Runs on the
     scheduler thread; nothing here raises into vLLM's hot path (a failing lookup is a miss)."""
 
@@ -132,7 +132,7 @@ class MemKVOffloadingManager(_BASES.manager):  # type: ignore[misc,name-defined]
         self.logic.shutdown()
 
 
-class MemKVOffloadingWorker(_BASES.worker):  # type: ignore[misc,name-defined]
+class MemKVOffloadingWorker(_BASES.worker):  # type: ignore[name-defined]  # base made by compat
     """Worker side: vLLM's OffloadingWorker calls, done by `DirectWorker`. Never blocks in
     submit_*, never raises, answers every job once (see memkv_vllm.direct.worker)."""
 
@@ -191,7 +191,7 @@ class MemKVOffloadingWorker(_BASES.worker):  # type: ignore[misc,name-defined]
                 logger.warning("memkv direct: client close failed: %s", e)
 
 
-class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[misc,name-defined]
+class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[name-defined]  # base made by compat
     """vLLM offloading spec of direct mode (see the module doc)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

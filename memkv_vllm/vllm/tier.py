@@ -56,7 +56,7 @@ TIER_DEFAULTS: dict[str, Any] = {
 }
 
 
-class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc,name-defined]
+class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[name-defined]  # base made by compat
     """Secondary tier over a memkv cluster. All methods run on the scheduler thread."""
 
     def __init__(
@@ -90,8 +90,9 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
         self._events: list[Any] | None = self._events_list(bool(enable_kv_events),
                                                            offloading_spec)
 
-        self._arr = np.asarray(primary_kv_view)  # zero-copy; keeps the mapping alive for I/O
-        self._row = int(primary_kv_view.strides[0])
+        # zero-copy; keeps the mapping alive for I/O
+        self._arr: np.ndarray | None = np.asarray(primary_kv_view)
+        self._row = int(self._arr.strides[0])
         self._rows = len(primary_kv_view)
         self._base = int(self._arr.ctypes.data)
         self._prefix = str(prefix)

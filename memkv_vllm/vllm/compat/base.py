@@ -132,7 +132,7 @@ class VllmAdapter(ABC):
         (0.25, where the key is ignored)."""
         return None
 
-    def declare_tier_class(self, cls: type) -> None:
+    def declare_tier_class(self, cls: type[Any]) -> None:
         """Set what vLLM reads from a tier's class: its storage `medium` (0.27+) and the
         `cache_hit_source` its hits are attributed to (0.32+).
 
@@ -145,11 +145,11 @@ class VllmAdapter(ABC):
         this method probes for, not generations."""
         medium = getattr(self.kvb, "Medium", None)
         if medium is not None:
-            cls.medium = medium.CPU  # type: ignore[attr-defined]
+            cls.medium = medium.CPU
         if "cache_hit_source" in vars(self.tb.SecondaryTierManager):
             from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-            cls.cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED  # type: ignore[attr-defined]
+            cls.cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
     # ------------------------------------------------------------------ KV events
     def tiers_publish_events(self) -> bool:
@@ -346,7 +346,7 @@ class VllmAdapter(ABC):
         All of them exist from 0.25 on. RuntimeError if this vLLM's connector lacks one, so that
         a renamed hook fails at start-up instead of being silently never called.
         """
-        base = self.offloading_connector_class()
+        base: Any = self.offloading_connector_class()  # a vLLM class: its hooks are untyped
         hooks = ("register_kv_caches", "get_block_ids_with_load_errors",
                  "update_connector_output")
         missing = [h for h in hooks if not callable(getattr(base, h, None))]
