@@ -1,12 +1,27 @@
 # Types of the PyO3 extension memkv_vllm._native (native/crates/memkv-py/src/lib.rs), which
 # mypy cannot read from the shared object. Keep it in step with the #[pyo3(signature)]s there:
-# a method added in Rust is an attribute error here until it is added too.
+# tests/test_native_stub.py compares it with the built module (mypy's stubtest).
 #
 # Per-key outcomes are one `bytes` of status codes per batch (byte i: key i's
 # memkv_vllm.core.interface.Status number). Buffers cross as (address, length) pairs.
 
 from collections.abc import Iterable, Sequence
 from typing import Literal, final
+
+__all__ = [
+    "Client",
+    "Op",
+    "RdmaTestPeer",
+    "rendezvous",
+    "canonical_server",
+    "cli_main",
+    "statuses",
+    "gpu_scratch_verdict",
+    "nic_for_gpu",
+    "memory_kind",
+    "MAX_KEY_LEN",
+    "__version__",
+]
 
 MAX_KEY_LEN: int
 __version__: str
