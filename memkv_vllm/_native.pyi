@@ -1,27 +1,13 @@
 # Types of the PyO3 extension memkv_vllm._native (native/crates/memkv-py/src/lib.rs), which
 # mypy cannot read from the shared object. Keep it in step with the #[pyo3(signature)]s there:
-# tests/test_native_stub.py compares it with the built module (mypy's stubtest).
+# tests/test_native_stub.py compares it with the built module (mypy's stubtest). RdmaTestPeer,
+# a test-only class that memkv_vllm does not use, is left out.
 #
 # Per-key outcomes are one `bytes` of status codes per batch (byte i: key i's
 # memkv_vllm.core.interface.Status number). Buffers cross as (address, length) pairs.
 
 from collections.abc import Iterable, Sequence
 from typing import Literal, final
-
-__all__ = [
-    "Client",
-    "Op",
-    "RdmaTestPeer",
-    "rendezvous",
-    "canonical_server",
-    "cli_main",
-    "statuses",
-    "gpu_scratch_verdict",
-    "nic_for_gpu",
-    "memory_kind",
-    "MAX_KEY_LEN",
-    "__version__",
-]
 
 MAX_KEY_LEN: int
 __version__: str
@@ -82,20 +68,6 @@ class Client:
     def unregister_buffer(self, ptr: int) -> None: ...
     def gpu_memory(self) -> tuple[bool, str]: ...
     def rdma_provider(self) -> str | None: ...
-
-# For tests only (tests/ speak memkv's protocol by hand over RDMA with it); nothing in
-# memkv_vllm uses it.
-@final
-class RdmaTestPeer:
-    def __new__(
-        cls, provider: str, domain: str, size: int, progress: bool = True
-    ) -> RdmaTestPeer: ...
-    def address(self) -> bytes: ...
-    def provider(self) -> str: ...
-    def descriptor(self, offset: int) -> tuple[int, int]: ...
-    def read(self, offset: int, len: int) -> bytes: ...
-    def write(self, offset: int, data: bytes) -> None: ...
-    def close(self) -> None: ...
 
 def rendezvous(key: bytes, servers: Sequence[str]) -> int: ...
 def canonical_server(text: str) -> str: ...
