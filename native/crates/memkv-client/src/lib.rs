@@ -13,6 +13,7 @@
 //! later GET returns exactly these bytes or a miss, never other bytes). Every other status means
 //! not stored.
 
+pub mod buf;
 pub mod conn;
 pub mod exec;
 pub mod placement;
@@ -26,7 +27,7 @@ use std::time::{Duration, Instant};
 
 pub use memkv_fabric::{memory, Memory};
 
-pub use conn::Buf;
+pub use buf::Buf;
 use conn::{Conn, ConnError};
 pub use exec::{Executor, Op, OpResult};
 pub use pool::{Failure, Health};

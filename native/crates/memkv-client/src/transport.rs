@@ -1,23 +1,85 @@
-//! The byte streams the client speaks its protocol over. `Conn` frames requests on any `Link`;
-//! a transport only opens links. TCP is one; RDMA (`crate::rdma`) is a TCP link plus a libfabric
-//! endpoint that the server reads and writes caller memory through.
+//! The byte streams the client speaks its protocol over, and the seam for one-sided transfers.
+//! `Conn` frames requests on any `Link`; a transport only opens links. TCP is one. A link may
+//! also have a `OneSided` side, through which the server itself reads (PUT) and writes (GET) the
+//! caller's memory, named by descriptors in the request, instead of the values travelling over
+//! the stream: RDMA (`crate::rdma`) is one.
 
+use std::any::Any;
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use memkv_proto::{Descriptor, Opcode};
+
+use crate::buf::Buf;
 
 /// A connected, ordered byte stream to one server whose reads and writes all fail with
 /// `ErrorKind::TimedOut` once the deadline set by `set_deadline` has passed, however the peer
 /// trickles its bytes: the deadline bounds the whole operation, not each system call.
 pub trait Link: Read + Write + Send {
     fn set_deadline(&mut self, deadline: Instant);
-    /// The RDMA half of the link, when it has one (values then move by the server's one-sided
-    /// reads and writes of caller memory instead of over this stream).
-    fn rdma(&mut self) -> Option<&mut crate::rdma::RdmaSide> {
+    /// The one-sided half of the link, when it has one.
+    fn one_sided(&mut self) -> Option<&mut dyn OneSided> {
         None
     }
-    /// Gives the RDMA half up: values go over the stream (a server that refused RDMA).
-    fn drop_rdma(&mut self) {}
+    /// Gives the one-sided half up: values go over the stream (a server that refused it).
+    fn drop_one_sided(&mut self) {}
+    /// Sends `fd` with the next bytes written (SCM_RIGHTS); only links over a unix socket can.
+    fn pass_fd(&mut self, _fd: Arc<OwnedFd>) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "this link cannot pass file descriptors",
+        ))
+    }
+}
+
+/// A request a one-sided side needs answered before it can go on: its hello when the
+/// connection opens, or, before a transfer, an announcement of memory the server is to reach.
+/// Every such reply is `accepted u8, reason` (the RDMA_HELLO reply's form).
+pub struct Setup {
+    pub op: Opcode,
+    pub body: Vec<u8>,
+    /// Sent with the request (`Link::pass_fd`).
+    pub fd: Option<Arc<OwnedFd>>,
+    /// Handed back to `OneSided::answered` with the server's answer.
+    pub tag: u64,
+}
+
+/// The descriptors of a transfer's buffers, and what must be held until the request ended
+/// (registrations, mappings).
+pub struct Described {
+    pub descs: Vec<Descriptor>,
+    pub held: Box<dyn Any + Send>,
+}
+
+/// Server-driven transfers of caller memory. The server moves every value before it replies;
+/// after the reply it never touches the memory for that request.
+pub trait OneSided: Send {
+    /// The transport's name in messages ("rdma").
+    fn transport(&self) -> &'static str;
+    /// What the server moves values by, in messages ("RDMA").
+    fn medium(&self) -> &'static str;
+    /// True when a server refusing the hello fails the connection; false when values then go
+    /// over the stream.
+    fn strict(&self) -> bool;
+    /// The header flag of a PUT or GET whose body carries this side's descriptors.
+    fn flag(&self) -> u32;
+    /// The request that sets this side up on a new connection, if it needs one.
+    fn hello(&mut self) -> io::Result<Option<Setup>>;
+    /// Requests to answer before a transfer of `bufs` (none by default).
+    fn setups(&mut self, _bufs: &[Buf]) -> Vec<Setup> {
+        Vec::new()
+    }
+    /// The server's answer to the setup tagged `tag` (not the hello's).
+    fn answered(&mut self, _tag: u64, _accepted: bool, _why: &str) {}
+    /// Describes `bufs` for the server; None when one of them is memory this side cannot name
+    /// (that transfer goes over the stream).
+    fn describe(&mut self, bufs: &[Buf]) -> io::Result<Option<Described>>;
+    /// Called when a request of `bufs` ended without its reply: afterwards no remote operation
+    /// of it may touch the buffers.
+    fn revoke(&mut self, bufs: &[Buf]);
 }
 
 /// Opens links to servers.
