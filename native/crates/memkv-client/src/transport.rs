@@ -96,7 +96,7 @@ pub fn deadline_passed() -> io::Error {
 }
 
 /// Time left until `deadline`, or the deadline error when none is.
-fn left(deadline: Instant, now: Instant) -> io::Result<Duration> {
+pub(crate) fn left(deadline: Instant, now: Instant) -> io::Result<Duration> {
     deadline
         .checked_duration_since(now)
         .filter(|d| !d.is_zero())
@@ -123,12 +123,7 @@ impl Tcp {
             match TcpStream::connect_timeout(&sa, left(deadline, Instant::now())?) {
                 Ok(stream) => {
                     stream.set_nodelay(true)?;
-                    return Ok(TcpLink {
-                        stream,
-                        deadline,
-                        read_armed: None,
-                        write_armed: None,
-                    });
+                    return Ok(StreamLink::new(stream, deadline));
                 }
                 Err(e) => last = e,
             }
@@ -141,16 +136,53 @@ impl Tcp {
 /// overshoots by at most this much, and a bulk transfer makes no extra system call per read.
 const REARM_AFTER: Duration = Duration::from_millis(5);
 
-pub(crate) struct TcpLink {
-    stream: TcpStream,
+/// A socket whose timeouts bound each blocking call: TCP, or a unix socket (`crate::shm`).
+pub(crate) trait TimedStream: Read + Write + Send + std::os::fd::AsRawFd {
+    fn set_timeouts(&self, read: bool, t: Duration) -> io::Result<()>;
+}
+
+impl TimedStream for TcpStream {
+    fn set_timeouts(&self, read: bool, t: Duration) -> io::Result<()> {
+        if read {
+            self.set_read_timeout(Some(t))
+        } else {
+            self.set_write_timeout(Some(t))
+        }
+    }
+}
+
+impl TimedStream for std::os::unix::net::UnixStream {
+    fn set_timeouts(&self, read: bool, t: Duration) -> io::Result<()> {
+        if read {
+            self.set_read_timeout(Some(t))
+        } else {
+            self.set_write_timeout(Some(t))
+        }
+    }
+}
+
+/// A stream link: the socket and the deadline its calls are bounded by.
+pub(crate) struct StreamLink<S: TimedStream> {
+    stream: S,
     deadline: Instant,
     /// When the read / write socket timeout was last set to the time left.
     read_armed: Option<Instant>,
     write_armed: Option<Instant>,
 }
 
-impl TcpLink {
-    pub(crate) fn stream(&self) -> &TcpStream {
+pub(crate) type TcpLink = StreamLink<TcpStream>;
+
+impl<S: TimedStream> StreamLink<S> {
+    pub(crate) fn new(stream: S, deadline: Instant) -> StreamLink<S> {
+        StreamLink {
+            stream,
+            deadline,
+            read_armed: None,
+            write_armed: None,
+        }
+    }
+
+    pub(crate) fn stream(&self) -> &S {
         &self.stream
     }
 
@@ -159,7 +191,7 @@ impl TcpLink {
     }
 
     /// Makes the next blocking call on the socket return by the deadline (plus `REARM_AFTER`).
-    fn arm(&mut self, read: bool) -> io::Result<()> {
+    pub(crate) fn arm(&mut self, read: bool) -> io::Result<()> {
         let now = Instant::now();
         let rest = left(self.deadline, now)?;
         let armed = if read {
@@ -168,11 +200,7 @@ impl TcpLink {
             &mut self.write_armed
         };
         if armed.is_none_or(|t| now.duration_since(t) > REARM_AFTER) {
-            if read {
-                self.stream.set_read_timeout(Some(rest))?;
-            } else {
-                self.stream.set_write_timeout(Some(rest))?;
-            }
+            self.stream.set_timeouts(read, rest)?;
             *armed = Some(now);
         }
         Ok(())
@@ -180,21 +208,21 @@ impl TcpLink {
 }
 
 /// A socket timeout surfaces as WouldBlock (Linux) or TimedOut; both mean the deadline passed.
-fn timeout_as_deadline<T>(r: io::Result<T>) -> io::Result<T> {
+pub(crate) fn timeout_as_deadline<T>(r: io::Result<T>) -> io::Result<T> {
     r.map_err(|e| match e.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => deadline_passed(),
         _ => e,
     })
 }
 
-impl Read for TcpLink {
+impl<S: TimedStream> Read for StreamLink<S> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         self.arm(true)?;
         timeout_as_deadline(self.stream.read(buf))
     }
 }
 
-impl Write for TcpLink {
+impl<S: TimedStream> Write for StreamLink<S> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.arm(false)?;
         timeout_as_deadline(self.stream.write(buf))
@@ -210,7 +238,7 @@ impl Write for TcpLink {
     }
 }
 
-impl Link for TcpLink {
+impl<S: TimedStream> Link for StreamLink<S> {
     fn set_deadline(&mut self, deadline: Instant) {
         self.deadline = deadline;
         self.read_armed = None;

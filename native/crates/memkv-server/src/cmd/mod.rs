@@ -6,6 +6,10 @@ mod exists;
 mod get;
 mod put;
 mod rdma;
+mod shm_common;
+mod shm_get;
+mod shm_put;
+mod shm_region;
 
 use std::time::Instant;
 
