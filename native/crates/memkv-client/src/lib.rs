@@ -230,10 +230,11 @@ impl Client {
         let mut registrations = None;
         let mut rdma_provider = None;
         // MEMKV_SHM_SOCKET names the same-host socket (`@name` abstract, else a path) when the
-        // server's is not the one derived from its address.
+        // server's is not the one derived from its address (`memkv serve --shm-socket` reads
+        // the same variable; its `auto` and `off` leave the derived name).
         let shm_socket = std::env::var("MEMKV_SHM_SOCKET")
             .ok()
-            .filter(|p| !p.is_empty());
+            .filter(|p| !matches!(p.as_str(), "" | "auto" | "off"));
         let shm_regions = matches!(cfg.transport, TransportChoice::Shm)
             || (cfg.transport == TransportChoice::Auto && !cfg.gpu_memory);
         let shm_regions = shm_regions.then(|| Arc::new(shm_regions::Regions::default()));
