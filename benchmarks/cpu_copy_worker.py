@@ -27,8 +27,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from memkv_vllm.compat import api
-from memkv_vllm.cpu_worker import ThreadedCopyWorker
+from memkv_vllm.vllm.compat import api
+from memkv_vllm.vllm.cpu_worker import ThreadedCopyWorker
 
 
 class PoolRegion:

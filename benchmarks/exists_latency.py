@@ -26,8 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from memkv_procs import MemKVServer  # noqa: E402
 
-from memkv_vllm.client import MemKVClient, Status  # noqa: E402
-from memkv_vllm.config import load_config  # noqa: E402
+from memkv_vllm.core.client import MemKVClient, Status  # noqa: E402
+from memkv_vllm.core.config import load_config  # noqa: E402
 
 
 def main() -> None:

@@ -33,10 +33,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from memkv_procs import MemKVServer  # noqa: E402
 
-from memkv_vllm.client import MemKVClient  # noqa: E402
-from memkv_vllm.config import load_config  # noqa: E402
+from memkv_vllm.core.client import MemKVClient  # noqa: E402
+from memkv_vllm.core.config import load_config  # noqa: E402
+from memkv_vllm.core.store import BlockStore, StoreOptions  # noqa: E402
 from memkv_vllm.offload import Entry, KVOffloader, PagedKV  # noqa: E402
-from memkv_vllm.store import BlockStore, StoreOptions  # noqa: E402
 
 
 def make_kv(layout: str, num_blocks: int) -> PagedKV:

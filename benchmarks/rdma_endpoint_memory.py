@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from memkv_procs import MemKVServer  # noqa: E402
 
 from memkv_vllm import _native  # noqa: E402
-from memkv_vllm.client import MemKVClient, Status  # noqa: E402
-from memkv_vllm.config import MemKVConfig  # noqa: E402
+from memkv_vllm.core.client import MemKVClient, Status  # noqa: E402
+from memkv_vllm.core.config import MemKVConfig  # noqa: E402
 
 MIB = 1 << 20
 RDMA_ARGS = ["--rdma", "--rdma-provider", "tcp", "--rdma-devices", "lo"]

@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from memkv_procs import MemKVServer  # noqa: E402
 
-from memkv_vllm.client import MemKVClient  # noqa: E402
-from memkv_vllm.config import MemKVConfig  # noqa: E402
+from memkv_vllm.core.client import MemKVClient  # noqa: E402
+from memkv_vllm.core.config import MemKVConfig  # noqa: E402
 
 
 def size(text: str) -> int:

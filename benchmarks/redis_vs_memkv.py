@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from memkv_procs import MemKVServer  # noqa: E402
 from redis_procs import RedisCluster, RedisStandalone  # noqa: E402
 
-from memkv_vllm.backends import make_client  # noqa: E402
-from memkv_vllm.config import load_config  # noqa: E402
-from memkv_vllm.interface import Status  # noqa: E402
+from memkv_vllm.core.backends import make_client  # noqa: E402
+from memkv_vllm.core.config import load_config  # noqa: E402
+from memkv_vllm.core.interface import Status  # noqa: E402
 
 
 def parse_size(text: str) -> int:

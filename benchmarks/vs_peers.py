@@ -154,8 +154,8 @@ class MemKV(Store):
     def __init__(self, procs: Procs, memory: str) -> None:
         from memkv_procs import MemKVServer
 
-        from memkv_vllm.client import MemKVClient, Status
-        from memkv_vllm.config import load_config
+        from memkv_vllm.core.client import MemKVClient, Status
+        from memkv_vllm.core.config import load_config
 
         self.server = MemKVServer(memory=memory, lanes=2).start()
         cfg = load_config(overrides={"servers": [self.server.address]})

@@ -20,17 +20,17 @@ def register() -> None:
     nothing.
     """
     try:
-        from memkv_vllm.compat import api
+        from memkv_vllm.vllm.compat import api
 
         adapter = api()
     except Exception:
         return  # vLLM absent or without the tiering API: nothing to plug into
     try:
-        adapter.register_tier("memkv", "memkv_vllm.tier", "MemKVSecondaryTierManager")
+        adapter.register_tier("memkv", "memkv_vllm.vllm.tier", "MemKVSecondaryTierManager")
     except Exception as e:
         _log.warning("memkv: could not register the memkv tier type: %s", e)
     try:
-        from memkv_vllm.cpu_worker import install
+        from memkv_vllm.vllm.cpu_worker import install
 
         install()
     except Exception as e:

@@ -7,7 +7,7 @@ import ctypes
 import threading
 from collections.abc import Callable, Sequence
 
-from memkv_vllm.interface import Status
+from memkv_vllm.core.interface import Status
 
 
 class FakeClock:

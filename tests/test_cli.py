@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from memkv_procs import MemKVServer, memkv_command
 
-from memkv_vllm.client import MemKVClient, Status
-from memkv_vllm.config import MemKVConfig
+from memkv_vllm.core.client import MemKVClient, Status
+from memkv_vllm.core.config import MemKVConfig
 
 
 def memkv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -16,8 +16,8 @@ import pytest
 from memkv_procs import memkv_command
 
 from memkv_vllm import _native
-from memkv_vllm.client import MemKVClient, Status
-from memkv_vllm.config import MemKVConfig, parse_server
+from memkv_vllm.core.client import MemKVClient, Status
+from memkv_vllm.core.config import MemKVConfig, parse_server
 
 KEY_HEX = "ab" * 32
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from memkv_vllm.client import MemKVClient, Status
-from memkv_vllm.config import MemKVConfig
+from memkv_vllm.core.client import MemKVClient, Status
+from memkv_vllm.core.config import MemKVConfig
 
 torch = pytest.importorskip("torch")
 

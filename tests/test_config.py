@@ -1,4 +1,4 @@
-"""memkv_vllm.config: precedence, parsing, validation, and that the auth key never leaks."""
+"""memkv_vllm.core.config: precedence, parsing, validation, and that the auth key never leaks."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memkv_vllm import config as cfgmod
-from memkv_vllm.config import (
+from memkv_vllm.core import config as cfgmod
+from memkv_vllm.core.config import (
     CONFIG_KEYS,
     ConfigError,
     MemKVConfig,
@@ -243,7 +243,7 @@ def test_unknown_override_raises() -> None:
 
 def test_unknown_env_var_only_warns_once(caplog: pytest.LogCaptureFixture) -> None:
     env = {"MEMKV_SERVRES": "a:1", "MEMKV_LOG": "debug", "MEMKV_LISTEN": "0.0.0.0:1", "OTHER": "x"}
-    with caplog.at_level(logging.WARNING, logger="memkv_vllm.config"):
+    with caplog.at_level(logging.WARNING, logger="memkv_vllm.core.config"):
         assert load_config(env=env) == MemKVConfig()
         load_config(env=env)
     msgs = [r.getMessage() for r in caplog.records]
@@ -420,7 +420,7 @@ def test_direct_construction_bad_key_length() -> None:
 # --- transport and devices ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", ["tcp", "rdma", "auto", " TCP ", "Rdma"])
+@pytest.mark.parametrize("value", ["tcp", "rdma", "auto", "shm", " TCP ", "Rdma", "SHM"])
 def test_transport_valid(value: str) -> None:
     assert load_config(env={"MEMKV_TRANSPORT": value}).transport == value.strip().lower()
 
@@ -555,7 +555,7 @@ valid_configs = st.builds(
     MemKVConfig,
     servers=st.lists(_server, min_size=1, max_size=5, unique=True).map(tuple),
     auth_key=st.one_of(st.none(), st.binary(min_size=32, max_size=32)),
-    transport=st.sampled_from(["tcp", "rdma", "auto"]),
+    transport=st.sampled_from(["tcp", "rdma", "auto", "shm"]),
     rdma_devices=st.lists(st.from_regex(r"[a-z0-9_]{1,12}", fullmatch=True), unique=True).map(
         tuple
     ),

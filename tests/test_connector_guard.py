@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from memkv_vllm.connector import LoadFailureGuard
+from memkv_vllm.vllm.connector import LoadFailureGuard
 
 
 @dataclasses.dataclass

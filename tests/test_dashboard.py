@@ -8,8 +8,8 @@ import urllib.request
 import numpy as np
 from dashboard import exposed, load, metric_names, queries
 
-from memkv_vllm.client import MemKVClient, Status
-from memkv_vllm.config import MemKVConfig
+from memkv_vllm.core.client import MemKVClient, Status
+from memkv_vllm.core.config import MemKVConfig
 
 
 def scrape(server) -> str:

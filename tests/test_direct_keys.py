@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from memkv_vllm.direct_keys import DirectKeyLayout, weights_fingerprint
+from memkv_vllm.direct.keys import DirectKeyLayout, weights_fingerprint
 
 BASE = DirectKeyLayout(model="meta-llama/Llama-3.1-8B", weights="hub:" + "a" * 40,
                        dtype="bfloat16", tp_size=4, block_size=16, kv_layout="HND",
@@ -58,7 +58,7 @@ def test_rank_outside_tp_size_raises():
 
 
 def test_same_inputs_give_the_same_key_in_another_process():
-    code = ("from memkv_vllm.direct_keys import DirectKeyLayout as L;"
+    code = ("from memkv_vllm.direct.keys import DirectKeyLayout as L;"
             "l = L(model='meta-llama/Llama-3.1-8B', weights='hub:' + 'a' * 40, dtype='bfloat16',"
             " tp_size=4, block_size=16, kv_layout='HND', hash_algo='sha256',"
             " hash_seed=b'\\x01' * 32, spec_prefix='');"

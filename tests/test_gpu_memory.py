@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from memkv_vllm import _native
-from memkv_vllm.client import MemKVClient
-from memkv_vllm.config import MemKVConfig
-from memkv_vllm.interface import Status
+from memkv_vllm.core.client import MemKVClient
+from memkv_vllm.core.config import MemKVConfig
+from memkv_vllm.core.interface import Status
 
 try:
     import torch

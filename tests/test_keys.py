@@ -9,7 +9,7 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memkv_vllm.keys import MAX_KEY_BYTES, KeyLayout, safe_model_name
+from memkv_vllm.core.keys import MAX_KEY_BYTES, KeyLayout, safe_model_name
 
 # Prefix segments as users write them ("kv/prod"); leading/trailing slashes are not significant.
 _seg = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_.", min_size=1, max_size=12)
@@ -127,7 +127,7 @@ def test_same_inputs_give_the_same_key_in_another_process(batch: list[tuple]) ->
     )
     code = (
         "import json,sys\n"
-        "from memkv_vllm.keys import KeyLayout\n"
+        "from memkv_vllm.core.keys import KeyLayout\n"
         "for p,m,f,r,h,g in json.loads(sys.stdin.read()):\n"
         "    f = dict(reversed(list(f.items())))\n"
         "    print(KeyLayout(prefix=p, model=m, fields=f, rank=r).key(bytes.fromhex(h), g).hex())\n"

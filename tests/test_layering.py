@@ -1,4 +1,4 @@
-"""Only memkv_vllm/compat/ may import or probe vLLM: an AST scan of the package, and the
+"""Only memkv_vllm/vllm/compat/ may import or probe vLLM: an AST scan of the package, and the
 vLLM-free modules imported with vLLM made unimportable."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _outside_compat(find: Callable[[ast.AST], list]) -> dict[str, list]:
     found = {}
     for path in files:
         rel = path.relative_to(PACKAGE)
-        if rel.parts[0] != "compat":
+        if rel.parts[:2] != ("vllm", "compat"):
             hits = find(ast.parse(path.read_text(), str(path)))
             if hits:
                 found[str(rel)] = hits
@@ -61,7 +61,8 @@ def test_no_module_outside_compat_imports_vllm() -> None:
 
 def test_the_contract_and_store_import_without_vllm_or_torch() -> None:
     code = ("import sys; sys.modules['vllm'] = None; sys.modules['torch'] = None\n"
-            "import memkv_vllm.interface, memkv_vllm.store, memkv_vllm.keys, memkv_vllm.config\n"
+            "import memkv_vllm.core.interface, memkv_vllm.core.store, memkv_vllm.core.keys\n"
+            "import memkv_vllm.core.config\n"
             "import memkv_vllm; memkv_vllm.register(); print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"

@@ -34,8 +34,8 @@ def test_the_python_client_imports_refuses_rdma_and_runs_auto_over_tcp(memkv_ser
     script = textwrap.dedent(f"""
         import logging
         logging.basicConfig(level=logging.INFO, format="LOG %(message)s")
-        from memkv_vllm.client import MemKVClient, Status
-        from memkv_vllm.config import MemKVConfig
+        from memkv_vllm.core.client import MemKVClient, Status
+        from memkv_vllm.core.config import MemKVConfig
         try:
             MemKVClient(MemKVConfig(servers=({memkv_server.address!r},), transport="rdma"))
         except ValueError as e:

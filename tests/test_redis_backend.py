@@ -23,17 +23,17 @@ pytest.importorskip("redis", reason="the redis backend needs redis-py (scripts/t
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from redis_procs import FLAVORS, RedisCluster, RedisStandalone, free_ports, poll  # noqa: E402
 
-from memkv_vllm.backends import make_client  # noqa: E402
-from memkv_vllm.config import load_config  # noqa: E402
-from memkv_vllm.interface import Lookup, Status  # noqa: E402
-from memkv_vllm.redis_client import (  # noqa: E402
+from memkv_vllm.core.backends import make_client  # noqa: E402
+from memkv_vllm.core.config import load_config  # noqa: E402
+from memkv_vllm.core.interface import Lookup, Status  # noqa: E402
+from memkv_vllm.core.redis_client import (  # noqa: E402
     TRAILER_BYTES,
     RedisBlockClient,
     frame_value,
     redis_key,
     unframe_value,
 )
-from memkv_vllm.store import BlockStore, StoreOptions  # noqa: E402
+from memkv_vllm.core.store import BlockStore, StoreOptions  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=FLAVORS)

@@ -1,4 +1,4 @@
-"""The Redis backend's settings in memkv_vllm.config: backend selection, redis:// server URLs,
+"""The Redis backend's settings in memkv_vllm.core.config: backend selection, redis:// server URLs,
 credentials that never leak, and every MEMKV_REDIS_* variable."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from memkv_vllm.config import ConfigError, MemKVConfig, load_config, parse_redis_url
+from memkv_vllm.core.config import ConfigError, MemKVConfig, load_config, parse_redis_url
 
 
 def test_env_selects_redis_with_every_setting() -> None:

@@ -22,10 +22,10 @@ pytest.importorskip("redis", reason="the redis backend needs redis-py (scripts/t
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from redis_procs import FLAVORS, RedisCluster, poll  # noqa: E402
 
-from memkv_vllm.backends import make_client  # noqa: E402
-from memkv_vllm.config import load_config  # noqa: E402
-from memkv_vllm.interface import Status  # noqa: E402
-from memkv_vllm.redis_client import RedisBlockClient, redis_key  # noqa: E402
+from memkv_vllm.core.backends import make_client  # noqa: E402
+from memkv_vllm.core.config import load_config  # noqa: E402
+from memkv_vllm.core.interface import Status  # noqa: E402
+from memkv_vllm.core.redis_client import RedisBlockClient, redis_key  # noqa: E402
 
 SIZE = 8192
 N_KEYS = 300

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from memkv_procs import memkv_command
 
-from memkv_vllm.client import MemKVClient, Status
-from memkv_vllm.config import MemKVConfig
+from memkv_vllm.core.client import MemKVClient, Status
+from memkv_vllm.core.config import MemKVConfig
 
 HELLO, AUTH, PING, EXISTS, PUT, GET, DELETE, STATS = range(1, 9)
 ERROR = 0xFF

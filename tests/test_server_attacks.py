@@ -26,8 +26,8 @@ from test_server import (
 )
 from test_server_limits import KEY, MALFORMED, STALLED, authed, error_code, round_trip_s, rss
 
-from memkv_vllm.client import MemKVClient, Status
-from memkv_vllm.config import MemKVConfig
+from memkv_vllm.core.client import MemKVClient, Status
+from memkv_vllm.core.config import MemKVConfig
 
 
 def open_fds(srv) -> int:

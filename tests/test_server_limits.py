@@ -29,8 +29,8 @@ from test_server import (
     recv_exact,
 )
 
-from memkv_vllm.client import MemKVClient, Status
-from memkv_vllm.config import MemKVConfig
+from memkv_vllm.core.client import MemKVClient, Status
+from memkv_vllm.core.config import MemKVConfig
 
 KEY = "ab" * 32
 STALLED, BUSY, UNAUTHENTICATED, MALFORMED = 10, 11, 6, 4

@@ -31,8 +31,8 @@ from test_server import (
 from test_server_limits import KEY, authed
 
 from memkv_vllm import _native
-from memkv_vllm.client import MemKVClient, Status
-from memkv_vllm.config import MemKVConfig
+from memkv_vllm.core.client import MemKVClient, Status
+from memkv_vllm.core.config import MemKVConfig
 
 RDMA_HELLO, FLAG_RDMA = 0x09, 1
 MALFORMED, UNAUTHENTICATED, STALLED = 4, 6, 10

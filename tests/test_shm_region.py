@@ -1,4 +1,4 @@
-"""memkv_vllm.shm_region on real files: which name it unlinks, and when it leaves one alone."""
+"""memkv_vllm.vllm.shm_region on real files: which name it unlinks, and when it leaves one alone."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from memkv_vllm.shm_region import drop_name_after_last_mapping, forget_dropped_name
+from memkv_vllm.vllm.shm_region import drop_name_after_last_mapping, forget_dropped_name
 
 
 class Region:

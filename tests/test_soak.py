@@ -28,8 +28,8 @@ from memkv_procs import proc_status
 from test_server import EXISTS, GET, HELLO, PUT, header, key_lens, read_frame
 from test_server_limits import KEY, authed, round_trip_s, rss
 
-from memkv_vllm.client import MemKVClient, Status
-from memkv_vllm.config import MemKVConfig
+from memkv_vllm.core.client import MemKVClient, Status
+from memkv_vllm.core.config import MemKVConfig
 
 MIB = 1 << 20
 MEMORY = 64 * MIB

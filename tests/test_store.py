@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from memkv_procs import MemKVServer
 
-from memkv_vllm.store import BlockStore, Lookup, StoreOptions
+from memkv_vllm.core.store import BlockStore, Lookup, StoreOptions
 
 pytest.importorskip("memkv_vllm._native", reason="needs the built memkv client")
 
@@ -23,8 +23,8 @@ def server(memkv_server: MemKVServer) -> MemKVServer:
 
 
 def _store(address: str, memory: np.ndarray, **opts) -> BlockStore:
-    from memkv_vllm.client import MemKVClient
-    from memkv_vllm.config import load_config
+    from memkv_vllm.core.client import MemKVClient
+    from memkv_vllm.core.config import load_config
 
     st = BlockStore(MemKVClient.from_config(load_config({"servers": [address]})),
                     StoreOptions(**opts))

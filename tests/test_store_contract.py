@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from fakes import FakeClient, FakeClock, RegisteringFakeClient
 
-from memkv_vllm.interface import Lookup, Offloader, Status
-from memkv_vllm.store import BlockStore, StoreOptions
+from memkv_vllm.core.interface import Lookup, Offloader, Status
+from memkv_vllm.core.store import BlockStore, StoreOptions
 
 ROW = 64
 

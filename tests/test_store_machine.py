@@ -10,8 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from memkv_vllm.interface import Lookup, Status
-from memkv_vllm.store import BlockStore, StoreOptions
+from memkv_vllm.core.interface import Lookup, Status
+from memkv_vllm.core.store import BlockStore, StoreOptions
 
 ROW = 32
 ROWS = 12

@@ -7,9 +7,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from memkv_vllm.backends import client_or_none
-from memkv_vllm.config import MemKVConfig
-from memkv_vllm.store import BlockStore, StoreOptions
+from memkv_vllm.core.backends import client_or_none
+from memkv_vllm.core.config import MemKVConfig
+from memkv_vllm.core.store import BlockStore, StoreOptions
 
 logger = logging.getLogger("vllm.memkv_direct")
 

@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from memkv_vllm.direct_keys import key_under
-from memkv_vllm.interface import Lookup, Status
-from memkv_vllm.store import BlockStore
+from memkv_vllm.core.interface import Lookup, Status
+from memkv_vllm.core.store import BlockStore
+from memkv_vllm.direct.keys import key_under
 
 logger = logging.getLogger("vllm.memkv_direct")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from memkv_vllm.direct_keys import DirectKeyLayout, weights_fingerprint
+from memkv_vllm.direct.keys import DirectKeyLayout, weights_fingerprint
 
 # Bumped whenever the bytes of a value change for the same KV (memkv_vllm.offload.paged).
 VALUE_LAYOUT = "v1"

@@ -3,7 +3,8 @@
 Every key sits directly in kv_connector_extra_config (names and defaults of the product this
 replaces). A bad value raises `ConfigError` naming the key, so the engine refuses to start instead
 of running with a setting nobody asked for. Connection settings (servers, auth_key, transport,
-op_timeout_s, lease_ms, ...) come from the MEMKV_* chain (memkv_vllm.config); any of them given in
+op_timeout_s, lease_ms, ...) come from the MEMKV_* chain (memkv_vllm.core.config); any of them given
+in
 kv_connector_extra_config wins over MEMKV_CONFIG and the environment.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from memkv_vllm.config import CONFIG_KEYS, ConfigError
+from memkv_vllm.core.config import CONFIG_KEYS, ConfigError
 
 _SOURCE = "kv_connector_extra_config"
 MEDIUMS = ("auto", "host", "gpu")

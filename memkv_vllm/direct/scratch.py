@@ -32,8 +32,8 @@ from typing import Any
 import attrs
 
 from memkv_vllm import _native
-from memkv_vllm.backends import client_or_none, make_client
-from memkv_vllm.config import MemKVConfig, load_config
+from memkv_vllm.core.backends import client_or_none, make_client
+from memkv_vllm.core.config import MemKVConfig, load_config
 from memkv_vllm.direct.cluster import store_for
 
 logger = logging.getLogger("vllm.memkv_direct")

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from memkv_vllm.direct_keys import key_under
+from memkv_vllm.direct.keys import key_under
 from memkv_vllm.offload import Entry, KVOffloader
 
 logger = logging.getLogger("vllm.memkv_direct")

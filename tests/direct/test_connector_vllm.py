@@ -19,8 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import ( 
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
-from memkv_vllm.compat import api  # noqa: E402
-from memkv_vllm.connector import (  # noqa: E402
+from memkv_vllm.vllm.compat import api  # noqa: E402
+from memkv_vllm.vllm.connector import (  # noqa: E402
     CONNECTOR_NAME,
     LoadFailureGuard,
     RecomputeRoute,

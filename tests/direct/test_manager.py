@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from memkv_vllm.client import MemKVClient
-from memkv_vllm.config import load_config
+from memkv_vllm.core.client import MemKVClient
+from memkv_vllm.core.config import load_config
+from memkv_vllm.core.interface import Lookup
+from memkv_vllm.core.store import BlockStore, StoreOptions
+from memkv_vllm.direct.keys import key_under
 from memkv_vllm.direct.manager import DirectManager
-from memkv_vllm.direct_keys import key_under
-from memkv_vllm.interface import Lookup
-from memkv_vllm.store import BlockStore, StoreOptions
 
 PREFIX = b"mkD1" + bytes(range(16))
 

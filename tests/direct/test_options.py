@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memkv_vllm.config import ConfigError
+from memkv_vllm.core.config import ConfigError
 from memkv_vllm.direct.options import DirectOptions, parse_options
 
 

@@ -18,11 +18,11 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from redis_procs import RedisStandalone  # noqa: E402
 from test_worker import BPC, PREFIX, block, finish, kv_cache  # noqa: E402
 
+from memkv_vllm.core.redis_client import RedisBlockClient, redis_key  # noqa: E402
 from memkv_vllm.direct.cluster import connect  # noqa: E402
+from memkv_vllm.direct.keys import key_under  # noqa: E402
 from memkv_vllm.direct.worker import DirectWorker  # noqa: E402
-from memkv_vllm.direct_keys import key_under  # noqa: E402
 from memkv_vllm.offload import KVOffloader  # noqa: E402
-from memkv_vllm.redis_client import RedisBlockClient, redis_key  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import pytest
 import sysfs_tree
 
 from memkv_vllm import _native
-from memkv_vllm.config import load_config
+from memkv_vllm.core.config import load_config
+from memkv_vllm.core.interface import Status
 from memkv_vllm.direct import scratch
 from memkv_vllm.direct.scratch import (
     ScratchChoice,
@@ -22,7 +23,6 @@ from memkv_vllm.direct.scratch import (
     open_rank_io,
     rank_nic,
 )
-from memkv_vllm.interface import Status
 
 REACH = (True, "provider verbs on mlx5_2 registers GPU memory (FI_HMEM)")
 NO_REACH = (False, "provider tcp on lo registers host memory only (no FI_HMEM)")

@@ -15,9 +15,9 @@ torch = pytest.importorskip("torch")
 
 from vllm_specs import canonical_kv, make_spec  # noqa: E402
 
-from memkv_vllm.compat import api  # noqa: E402
-from memkv_vllm.config import ConfigError  # noqa: E402
+from memkv_vllm.core.config import ConfigError  # noqa: E402
 from memkv_vllm.direct.prefixes import PrefixMismatch  # noqa: E402
+from memkv_vllm.vllm.compat import api  # noqa: E402
 
 kvb = pytest.importorskip("vllm.v1.kv_offload.base")
 BPC = 2
@@ -154,7 +154,7 @@ def test_pipeline_parallelism_and_bad_keys_fail_at_startup(memkv_server):
 
 
 def test_metrics_are_declared_and_the_load_store_spec_is_concrete():
-    from memkv_vllm.spec import MemKVLoadStoreSpec, MemKVOffloadingSpec
+    from memkv_vllm.vllm.spec import MemKVLoadStoreSpec, MemKVOffloadingSpec
 
     defs = MemKVOffloadingSpec.build_metric_definitions({})
     assert "vllm:kv_offload_memkv_lookups" in defs
@@ -163,7 +163,7 @@ def test_metrics_are_declared_and_the_load_store_spec_is_concrete():
 
 
 def test_hits_are_attributed_to_a_remote_store_where_vllm_asks():
-    from memkv_vllm.spec import MemKVOffloadingManager
+    from memkv_vllm.vllm.spec import MemKVOffloadingManager
 
     if "get_load_source" not in vars(kvb.OffloadingManager):
         pytest.skip("this vLLM does not ask a manager where its hits came from (0.32+)")
@@ -174,9 +174,9 @@ def test_hits_are_attributed_to_a_remote_store_where_vllm_asks():
 
 
 def test_stored_chunks_become_kv_events_when_the_engine_publishes_them():
+    from memkv_vllm.core.store import BlockStore
     from memkv_vllm.direct.manager import DirectManager
-    from memkv_vllm.spec import MemKVOffloadingManager
-    from memkv_vllm.store import BlockStore
+    from memkv_vllm.vllm.spec import MemKVOffloadingManager
 
     def manager(events: bool) -> MemKVOffloadingManager:
         logic = DirectManager(BlockStore(None), b"p", 1, api().split_offload_key)

@@ -28,7 +28,7 @@ def _build(cls: type, values: dict[str, Any]) -> Any:
 
 def make_spec(extra: dict[str, Any], *, engine_id: str, rank: int = 0, tp_size: int = 1,
               pp_size: int = 1, blocks_per_chunk: int = 2) -> Any:
-    from memkv_vllm.spec import MemKVOffloadingSpec
+    from memkv_vllm.vllm.spec import MemKVOffloadingSpec
 
     extra = {"spec_name": "MemKVOffloadingSpec", "spec_module_path": "memkv_vllm.spec",
              "block_size": BLOCK_TOKENS * blocks_per_chunk, **extra}

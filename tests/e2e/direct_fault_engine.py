@@ -50,8 +50,8 @@ def kv_transfer_config() -> dict:
 
 
 def wait_items(servers: str, n: int, timeout: float = 60) -> None:
-    from memkv_vllm.client import MemKVClient
-    from memkv_vllm.config import load_config
+    from memkv_vllm.core.client import MemKVClient
+    from memkv_vllm.core.config import load_config
 
     client = MemKVClient.from_config(load_config({"servers": servers}))
     try:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memkv_vllm.connector import connector_class
+from memkv_vllm.vllm.connector import connector_class
 
 PLAN_ENV = "DIRECT_FAULT_PLAN"  # not MEMKV_*: the config layer warns about unknown ones
 

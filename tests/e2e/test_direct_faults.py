@@ -131,8 +131,8 @@ def wait_for(cond, what: str, timeout: float = 60) -> None:
 def evict_oldest(server: MemKVServer, n: int) -> None:
     """Fill the server with other values until it evicted `n` (its oldest, with one lane), then
     delete those again: engine B's own stores must not evict anything more."""
-    from memkv_vllm.client import MemKVClient
-    from memkv_vllm.config import load_config
+    from memkv_vllm.core.client import MemKVClient
+    from memkv_vllm.core.config import load_config
 
     client = MemKVClient.from_config(load_config({"servers": server.address}))
     try:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from memkv_vllm.client import MemKVClient
-from memkv_vllm.config import load_config
+from memkv_vllm.core.client import MemKVClient
+from memkv_vllm.core.config import load_config
+from memkv_vllm.core.store import BlockStore, StoreOptions
 from memkv_vllm.offload import Entry, JobResult, KVOffloader, PagedKV
-from memkv_vllm.store import BlockStore, StoreOptions
 
 
 def offloader(address: str, kv: PagedKV, medium: str = "auto", scratch_values: int = 64,

@@ -136,8 +136,8 @@ def test_gpu_scratch_goes_to_the_network_without_host_slots(memkv_server_factory
     no pinned host slot exists, and stores and loads are byte-exact."""
     import os
 
-    from memkv_vllm.client import MemKVClient
-    from memkv_vllm.config import load_config
+    from memkv_vllm.core.client import MemKVClient
+    from memkv_vllm.core.config import load_config
 
     prov = os.environ.get("MEMKV_TEST_GPU_PROVIDER")
     if not prov:

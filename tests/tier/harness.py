@@ -31,7 +31,7 @@ from vllm.v1.kv_offload.tiering.manager import (  # noqa: E402
 )
 
 import memkv_vllm  # noqa: E402
-from memkv_vllm.compat import api  # noqa: E402
+from memkv_vllm.vllm.compat import api  # noqa: E402
 
 ROW = 8192  # bytes per pool row (one offloaded chunk, all workers); page-aligned like vLLM's
 

@@ -9,11 +9,11 @@ import uuid
 import pytest
 from harness import okey
 
-from memkv_vllm import compat
-from memkv_vllm.compat import api
-from memkv_vllm.cpu_worker import cpu_tiering_spec_class, install
-from memkv_vllm.keys import KeyLayout
-from memkv_vllm.shm_region import tiering_spec_class
+from memkv_vllm.core.keys import KeyLayout
+from memkv_vllm.vllm import compat
+from memkv_vllm.vllm.compat import api
+from memkv_vllm.vllm.cpu_worker import cpu_tiering_spec_class, install
+from memkv_vllm.vllm.shm_region import tiering_spec_class
 
 
 def _cfg(address: str, **kw) -> dict:

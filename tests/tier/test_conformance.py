@@ -27,7 +27,7 @@ from vllm.v1.kv_offload.base import LookupResult as LR
 from vllm.v1.kv_offload.tiering import base as tb
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-from memkv_vllm.tier import MemKVSecondaryTierManager
+from memkv_vllm.vllm.tier import MemKVSecondaryTierManager
 
 needs_media = pytest.mark.skipif(
     not hasattr(kvb, "Medium"), reason="tier media and load-tier filters exist from vLLM 0.27 on")
@@ -60,8 +60,8 @@ def spec_engines():
 
 
 def _client(address: str):
-    from memkv_vllm.client import MemKVClient
-    from memkv_vllm.config import load_config
+    from memkv_vllm.core.client import MemKVClient
+    from memkv_vllm.core.config import load_config
 
     return MemKVClient.from_config(load_config({"servers": [address]}))
 
@@ -111,7 +111,7 @@ def _store(engine: Engine, keys: list[bytes], offset: int = 0) -> None:
 
 
 def _stored_remotely(address: str, rkeys: list[bytes]) -> list[bool]:
-    from memkv_vllm.client import Status
+    from memkv_vllm.core.client import Status
 
     c = _client(address)
     try:

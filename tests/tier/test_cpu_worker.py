@@ -23,9 +23,9 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from memkv_vllm import cpu_worker
-from memkv_vllm.compat import api
-from memkv_vllm.cpu_worker import ThreadedCopyWorker
+from memkv_vllm.vllm import cpu_worker
+from memkv_vllm.vllm.compat import api
+from memkv_vllm.vllm.cpu_worker import ThreadedCopyWorker
 
 BPC = 4  # blocks per chunk
 PAGES = [256, 192]  # padded page size of each KV tensor

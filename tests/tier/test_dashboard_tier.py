@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dashboard import load, metric_names
 
-from memkv_vllm.compat import api
-from memkv_vllm.tier import MemKVSecondaryTierManager
+from memkv_vllm.vllm.compat import api
+from memkv_vllm.vllm.tier import MemKVSecondaryTierManager
 
 
 def test_every_tier_metric_the_dashboard_queries_is_declared() -> None:

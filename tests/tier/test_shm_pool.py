@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from memkv_vllm.compat import api
-from memkv_vllm.shm_region import forget_dropped_name_at_shutdown, tiering_spec_class
+from memkv_vllm.vllm.compat import api
+from memkv_vllm.vllm.shm_region import forget_dropped_name_at_shutdown, tiering_spec_class
 
 PAGE = 4096  # KV bytes per block and worker: one page, so a pool row needs no padding
 

@@ -12,9 +12,9 @@ from harness import ROW, okey, pattern
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 import memkv_vllm
-from memkv_vllm.compat import api
-from memkv_vllm.compat.base import TIER_METRICS as METRICS
-from memkv_vllm.tier import MemKVSecondaryTierManager
+from memkv_vllm.vllm.compat import api
+from memkv_vllm.vllm.compat.base import TIER_METRICS as METRICS
+from memkv_vllm.vllm.tier import MemKVSecondaryTierManager
 
 LR = api().LookupResult
 
@@ -25,8 +25,8 @@ def _cfg(address: str, **kw) -> dict:
 
 
 def _client(address: str):
-    from memkv_vllm.client import MemKVClient
-    from memkv_vllm.config import load_config
+    from memkv_vllm.core.client import MemKVClient
+    from memkv_vllm.core.config import load_config
 
     return MemKVClient.from_config(load_config({"servers": [address]}))
 

@@ -45,8 +45,8 @@ from vllm.v1.kv_offload.tiering.manager import (
     TieringOffloadingManager,
 )
 
-from memkv_vllm.compat import api
-from memkv_vllm.tier import MemKVSecondaryTierManager
+from memkv_vllm.vllm.compat import api
+from memkv_vllm.vllm.tier import MemKVSecondaryTierManager
 
 NUM_BLOCKS = 8
 ROW = 4 * 4096  # bytes per pool row
@@ -154,8 +154,8 @@ def memkv_tier(make_tier):
 
 
 def _client(address: str):
-    from memkv_vllm.client import MemKVClient
-    from memkv_vllm.config import load_config
+    from memkv_vllm.core.client import MemKVClient
+    from memkv_vllm.core.config import load_config
 
     return MemKVClient.from_config(load_config({"servers": [address]}))
 
@@ -170,7 +170,7 @@ def _overwrite_short(address: str, rkey: bytes) -> None:
 
 
 def _present(address: str, rkey: bytes) -> bool:
-    from memkv_vllm.client import Status
+    from memkv_vllm.core.client import Status
 
     c = _client(address)
     try:

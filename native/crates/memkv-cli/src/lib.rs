@@ -93,7 +93,12 @@ struct ServeArgs {
     /// --listen, which clients with transport shm/auto find by themselves), `@NAME` (an
     /// abstract name of one's own), a file PATH (removed at exit; clients name it with
     /// MEMKV_SHM_SOCKET), or `off`.
-    #[arg(long, env = "MEMKV_SHM_SOCKET", hide_env_values = true, default_value = "auto")]
+    #[arg(
+        long,
+        env = "MEMKV_SHM_SOCKET",
+        hide_env_values = true,
+        default_value = "auto"
+    )]
     shm_socket: String,
     /// Client memory regions one same-host connection may have mapped at once.
     #[arg(long, default_value_t = 64)]
@@ -316,6 +321,7 @@ fn serve(a: ServeArgs) -> Result<i32, String> {
         .map(parse_auth_key)
         .transpose()
         .map_err(|e| format!("--auth-key: {e}"))?;
+    let shm = shm_config(&a)?;
     let cfg = ServerConfig {
         listen: a.listen.clone(),
         memory,
@@ -329,7 +335,7 @@ fn serve(a: ServeArgs) -> Result<i32, String> {
         min_rate,
         buffer_budget,
         rdma: a.rdma.server_config(),
-        shm: shm_config(&a)?,
+        shm,
         ..ServerConfig::default()
     };
     let server = Server::start(cfg).map_err(|e| format!("cannot start on {}: {e}", a.listen))?;

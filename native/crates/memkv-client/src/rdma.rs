@@ -259,7 +259,10 @@ impl Link for RdmaLink {
     }
 
     fn one_sided(&mut self) -> Option<&mut dyn OneSided> {
-        self.side.as_mut().map(|s| s as &mut dyn OneSided)
+        match &mut self.side {
+            Some(s) => Some(s),
+            None => None,
+        }
     }
 
     fn drop_one_sided(&mut self) {

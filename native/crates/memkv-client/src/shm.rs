@@ -315,7 +315,10 @@ impl Link for ShmLink {
     }
 
     fn one_sided(&mut self) -> Option<&mut dyn OneSided> {
-        self.side.as_mut().map(|s| s as &mut dyn OneSided)
+        match &mut self.side {
+            Some(s) => Some(s),
+            None => None,
+        }
     }
 
     fn drop_one_sided(&mut self) {

@@ -62,8 +62,8 @@ impl UnixTransport {
             while !c.is_null() {
                 if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
                     let data = libc::CMSG_DATA(c).cast::<libc::c_int>();
-                    let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
-                        / size_of::<libc::c_int>();
+                    let count =
+                        ((*c).cmsg_len - libc::CMSG_LEN(0) as usize) / size_of::<libc::c_int>();
                     for i in 0..count {
                         let fd = OwnedFd::from_raw_fd(data.add(i).read_unaligned());
                         if self.fds.len() < MAX_QUEUED_FDS {
@@ -116,7 +116,7 @@ impl Transport for UnixTransport {
                 self.stream.as_raw_fd(),
                 libc::SOL_SOCKET,
                 libc::SO_PEERCRED,
-                (&mut cred as *mut libc::ucred).cast(),
+                std::ptr::from_mut(&mut cred).cast(),
                 &mut len,
             )
         };

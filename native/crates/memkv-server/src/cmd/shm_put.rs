@@ -28,7 +28,7 @@ impl<T: Transport> Conn<'_, T> {
         let deadline = self.shm_deadline(&items, deadline)?;
         let store = &*self.ctx.store;
         let mut st = vec![Status::Ok; items.len()];
-        let mut done: Vec<(usize, Reservation)> = Vec::with_capacity(items.len());
+        let mut done: Vec<(usize, Reservation<'_>)> = Vec::with_capacity(items.len());
         let mut failed = false;
         for (i, (key, d)) in items.iter().enumerate() {
             let place = if d.len == 0 { None } else { self.shm.place(d) };

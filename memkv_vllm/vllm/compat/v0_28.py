@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Collection
 from typing import Any
 
-from memkv_vllm.compat.v0_26 import Api026
+from memkv_vllm.vllm.compat.v0_26 import Api026
 
 
 class Api028(Api026):

@@ -1,4 +1,4 @@
-"""`BlockStore`: the memkv implementation of `memkv_vllm.interface.Offloader`.
+"""`BlockStore`: the memkv implementation of `memkv_vllm.core.interface.Offloader`.
 
 The contract (callers, threads, post-conditions, failures) is written down in interface.py; this
 module only adds how memkv meets it:
@@ -26,7 +26,7 @@ from typing import Any
 
 import attrs
 
-from memkv_vllm.interface import BlockClient, Completion, Lookup, RegisteringClient, Status
+from memkv_vllm.core.interface import BlockClient, Completion, Lookup, RegisteringClient, Status
 
 __all__ = ["BlockStore", "Completion", "Lookup", "StoreOptions"]
 
@@ -81,7 +81,7 @@ class _Probe:
 class BlockStore:
     """Batched, asynchronous, never-raising block I/O against a memkv cluster.
 
-    Implements `memkv_vllm.interface.Offloader`; read the contract there. `client` may be None
+    Implements `memkv_vllm.core.interface.Offloader`; read the contract there. `client` may be None
     (no cluster could be configured): every lookup then misses and every job fails at once.
     """
 

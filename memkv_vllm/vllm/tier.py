@@ -36,11 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from memkv_vllm.backends import client_or_none
-from memkv_vllm.compat import api
-from memkv_vllm.interface import Lookup
-from memkv_vllm.keys import KeyLayout
-from memkv_vllm.store import BlockStore, StoreOptions
+from memkv_vllm.core.backends import client_or_none
+from memkv_vllm.core.interface import Lookup
+from memkv_vllm.core.keys import KeyLayout
+from memkv_vllm.core.store import BlockStore, StoreOptions
+from memkv_vllm.vllm.compat import api
 
 logger = logging.getLogger("vllm.memkv_tier")  # under vLLM's logger so its handlers print it
 
@@ -77,7 +77,7 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type,
                          **_API.tier_base_kwargs(kwargs))
-        from memkv_vllm.config import CONFIG_KEYS
+        from memkv_vllm.core.config import CONFIG_KEYS
 
         client_kw = {k: v for k, v in kwargs.items() if k in CONFIG_KEYS}
         unknown = sorted(set(kwargs) - set(client_kw))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from memkv_vllm.compat.base import DirectFacts, VllmAdapter
+from memkv_vllm.vllm.compat.base import DirectFacts, VllmAdapter
 
 
 class Api025(VllmAdapter):

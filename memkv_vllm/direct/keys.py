@@ -22,7 +22,7 @@ from pathlib import Path
 
 import attrs
 
-from memkv_vllm.keys import canonical_json
+from memkv_vllm.core.keys import canonical_json
 
 _MAGIC = b"mkD1"  # never the first bytes of a tier-mode key (those are readable path names)
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")

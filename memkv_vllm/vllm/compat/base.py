@@ -2,7 +2,7 @@
 
 `VllmAdapter` is the only door to vLLM. tier.py, cpu_worker.py, register() and the tests call its
 methods; one subclass per vLLM API generation (v0_25 ... v0_31) overrides what that generation
-changed, and `memkv_vllm.compat.api()` picks one per process by probing features.
+changed, and `memkv_vllm.vllm.compat.api()` picks one per process by probing features.
 
 Callers and threads: adapter methods are called from vLLM's processes — the scheduler process
 (tier construction, lookups, jobs, stats: scheduler thread), the front-end process (metric
@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from memkv_vllm.interface import Lookup
+from memkv_vllm.core.interface import Lookup
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import logging
 import os
 from typing import Any
 
-from memkv_vllm.compat import api
+from memkv_vllm.vllm.compat import api
 
 logger = logging.getLogger("vllm.memkv_shm_region")
 

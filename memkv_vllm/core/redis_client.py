@@ -1,4 +1,4 @@
-"""`RedisBlockClient`: the `BlockClient` of memkv_vllm.interface over Redis / Valkey.
+"""`RedisBlockClient`: the `BlockClient` of memkv_vllm.core.interface over Redis / Valkey.
 
 Selected by ``backend: redis`` (docs/redis.md); works against a Redis Cluster (the slot map,
 MOVED / ASK redirections, topology refresh after a failover and replica reads are redis-py's) and
@@ -40,8 +40,8 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from memkv_vllm.config import MemKVConfig
-from memkv_vllm.interface import Status
+from memkv_vllm.core.config import MemKVConfig
+from memkv_vllm.core.interface import Status
 
 __all__ = ["TRAILER_BYTES", "RedisBlockClient", "frame_value", "redis_key", "unframe_value"]
 
@@ -134,10 +134,10 @@ class _Probe:
 
 
 class RedisBlockClient:
-    """`memkv_vllm.interface.BlockClient` over Redis Cluster or one standalone Redis / Valkey.
+    """`memkv_vllm.core.interface.BlockClient` over Redis Cluster or one standalone Redis / Valkey.
 
     Answers in status codes, one ``bytes`` per batch (byte i = key i's `Status` number), like
-    `memkv_vllm.client.CodesClient`; ``codes`` is the client itself so callers written for
+    `memkv_vllm.core.client.CodesClient`; ``codes`` is the client itself so callers written for
     `MemKVClient` (``client.codes``) take it unchanged. Never raises for a server failure.
     """
 

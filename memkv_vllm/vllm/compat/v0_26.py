@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from memkv_vllm.compat.base import DirectFacts
-from memkv_vllm.compat.v0_25 import Api025
+from memkv_vllm.vllm.compat.base import DirectFacts
+from memkv_vllm.vllm.compat.v0_25 import Api025
 
 
 class Api026(Api025):

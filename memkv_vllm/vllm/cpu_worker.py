@@ -40,8 +40,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from memkv_vllm.compat import api
-from memkv_vllm.shm_region import forget_dropped_name, tiering_spec_class
+from memkv_vllm.vllm.compat import api
+from memkv_vllm.vllm.shm_region import forget_dropped_name, tiering_spec_class
 
 logger = logging.getLogger("vllm.memkv_cpu_worker")
 

@@ -3,7 +3,8 @@
 `make_client(cfg)` is what the vLLM tier (and any other `BlockStore` owner) calls, so that
 ``backend: redis`` in the tier dict, the ``MEMKV_CONFIG`` file or ``MEMKV_BACKEND`` switches the
 engine below without touching the code above. Both answers have a ``codes`` face (one ``bytes``
-of `Status` numbers per batch) that implements `memkv_vllm.interface.BlockClient`, and ``close``.
+of `Status` numbers per batch) that implements `memkv_vllm.core.interface.BlockClient`, and
+``close``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from memkv_vllm.config import MemKVConfig, load_config
+from memkv_vllm.core.config import MemKVConfig, load_config
 
 
 def make_client(cfg: MemKVConfig, io_threads: int | None = None,
@@ -21,10 +22,10 @@ def make_client(cfg: MemKVConfig, io_threads: int | None = None,
     ValueError / ImportError for a setting this installation cannot honour. ``gpu_memory``: ask
     memkv's RDMA transport to reach GPU memory too (Redis moves host memory only)."""
     if cfg.backend == "redis":
-        from memkv_vllm.redis_client import RedisBlockClient
+        from memkv_vllm.core.redis_client import RedisBlockClient
 
         return RedisBlockClient(cfg, io_threads)
-    from memkv_vllm.client import MemKVClient
+    from memkv_vllm.core.client import MemKVClient
 
     return MemKVClient.from_config(cfg, io_threads, gpu_memory)
 

@@ -2,13 +2,13 @@
 
 Two boundaries, each a `typing.Protocol` so that either side can be replaced without the other:
 
-* `Offloader` — what a serving-stack adapter (the vLLM tier in memkv_vllm.tier, a test, another
+* `Offloader` — what a serving-stack adapter (the vLLM tier in memkv_vllm.vllm.tier, a test, another
   stack) calls: batched non-blocking lookups, load and store jobs over caller memory, completions,
-  stats, buffer registration, close. `memkv_vllm.store.BlockStore` implements it over memkv.
+  stats, buffer registration, close. `memkv_vllm.core.store.BlockStore` implements it over memkv.
 * `BlockClient` — what an `Offloader` needs from the cluster below it: one asynchronous batched
   presence probe, two blocking batched transfers between raw memory and the cluster, and a
   batched delete.
-  `memkv_vllm.client.MemKVClient` implements it; `RegisteringClient` adds the optional
+  `memkv_vllm.core.client.MemKVClient` implements it; `RegisteringClient` adds the optional
   registration step transports such as RDMA need.
 
 Threads: an `Offloader` belongs to ONE owner thread (vLLM: the scheduler thread). Every method is
@@ -31,7 +31,7 @@ import attrs
 
 
 class Status(enum.IntEnum):
-    """Per-key outcome of a `BlockClient` call; `memkv_vllm.client` returns these.
+    """Per-key outcome of a `BlockClient` call; `memkv_vllm.core.client` returns these.
 
     0-9 are memkv's wire status codes; 16 and up are decided by the client itself and never sent
     (the native client defines the same numbers; a test checks they agree). An `Offloader` treats

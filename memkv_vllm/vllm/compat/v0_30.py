@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memkv_vllm.compat.v0_28 import Api028
+from memkv_vllm.vllm.compat.v0_28 import Api028
 
 
 class Api030(Api028):

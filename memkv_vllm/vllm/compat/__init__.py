@@ -14,18 +14,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from memkv_vllm.compat.base import VllmAdapter
+    from memkv_vllm.vllm.compat.base import VllmAdapter
 
 _api: VllmAdapter | None = None
 
 
 def generations() -> list[type[VllmAdapter]]:
     """Every adapter class, newest first."""
-    from memkv_vllm.compat.v0_25 import Api025
-    from memkv_vllm.compat.v0_26 import Api026
-    from memkv_vllm.compat.v0_28 import Api028
-    from memkv_vllm.compat.v0_30 import Api030
-    from memkv_vllm.compat.v0_31 import Api031
+    from memkv_vllm.vllm.compat.v0_25 import Api025
+    from memkv_vllm.vllm.compat.v0_26 import Api026
+    from memkv_vllm.vllm.compat.v0_28 import Api028
+    from memkv_vllm.vllm.compat.v0_30 import Api030
+    from memkv_vllm.vllm.compat.v0_31 import Api031
 
     return [Api031, Api030, Api028, Api026, Api025]
 

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from memkv_vllm import _native
-from memkv_vllm.config import MemKVConfig, load_config
-from memkv_vllm.interface import Status
+from memkv_vllm.core.config import MemKVConfig, load_config
+from memkv_vllm.core.interface import Status
 
 __all__ = ["MAX_KEY_LEN", "CodesClient", "CodesOp", "MemKVClient", "Op", "Status", "buffer_address"]
 
@@ -110,7 +110,7 @@ class CodesClient:
     of status codes per batch: byte i is key i's :class:`Status` number. No Python object is made
     per key, so a batched check of thousands of keys costs what the native call costs; callers
     that compare numbers (the block store, ``codes[i] == Status.OK``) use this. Implements
-    :class:`memkv_vllm.interface.BlockClient`."""
+    :class:`memkv_vllm.core.interface.BlockClient`."""
 
     __slots__ = ("_c",)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from memkv_vllm.compat.v0_30 import Api030
+from memkv_vllm.vllm.compat.v0_30 import Api030
 
 
 class Api031(Api030):

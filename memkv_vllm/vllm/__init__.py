@@ -1,0 +1,12 @@
+"""The vLLM-facing wing: the only package that imports vLLM.
+
+* `compat` — one small adapter per vLLM API generation, chosen by feature detection; nothing
+  outside it names vLLM's internals.
+* `tier` — the `memkv` secondary tier behind vLLM's CPU pool (tier mode).
+* `spec` — `MemKVOffloadingSpec` (direct mode), a thin shell over `memkv_vllm.direct`.
+* `connector` — `MemKVOffloadingConnector`, the recompute route for failed loads.
+* `cpu_worker`, `shm_region` — vLLM's CPU pool on the CPU platform, and its /dev/shm lifetime.
+
+Users name `memkv_vllm.spec` and `memkv_vllm.connector` in their configs: those modules
+re-export what is here.
+"""
