@@ -203,3 +203,36 @@ def test_a_refused_region_moves_its_values_over_the_socket(memkv_server_factory,
     assert "shared-memory region refused" in srv.log()
     c.unregister_buffer(r.ptr)
     r.close()
+
+
+def test_descriptor_floods_and_garbage_leave_the_server_serving(memkv_server_factory):
+    """Unauthenticated peers on the unix socket: garbage, and HELLOs carrying many descriptors
+    each. The server keeps none of them beyond the connection and answers a real client."""
+    import socket
+    import struct
+
+    srv = memkv_server_factory(auth_key=KEY_HEX)
+    fds_before = len(os.listdir(f"/proc/{srv.proc.pid}/fd"))
+    r = Region(1 << 20)
+    hello = b"MK" + bytes([1, 0x01]) + struct.pack("<IQIIQ", 0, 1, 0, 0, 0)
+    peers = []
+    for i in range(20):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(f"\0memkv/{srv.address}")
+        if i % 2:
+            s.sendall(os.urandom(4096))
+        else:
+            socket.send_fds(s, [hello], [r.fd] * 8)
+        peers.append(s)
+    for s in peers:
+        s.close()
+    deadline = time.monotonic() + 10
+    while len(os.listdir(f"/proc/{srv.proc.pid}/fd")) > fds_before + 2:
+        assert time.monotonic() < deadline, "the server held passed descriptors"
+        time.sleep(0.05)
+    c = shm_client(srv, auth_key=bytes.fromhex(KEY_HEX))
+    c.register_buffer(r.ptr, r.array.nbytes)
+    assert c.put([b"k"], [r.array[:10]]) == [Status.OK]
+    assert srv.alive()
+    c.unregister_buffer(r.ptr)
+    r.close()
