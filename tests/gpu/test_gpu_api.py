@@ -30,6 +30,8 @@ from vllm_procs import (
     wait_healthy,
 )
 
+pytestmark = pytest.mark.gpu
+
 # What vLLM's executor queues leave after a SIGKILL of the group: their resource tracker, which
 # removes them on any other exit, is killed too (docs/tier.md). Nothing else may be left.
 QUEUES = ("psm_", "sem.mp-")
