@@ -28,7 +28,7 @@ class Client:
         connect_timeout_s: float = 1.0,
         op_timeout_s: float = 10.0,
         io_threads: int = 8,
-        transport: Literal["tcp", "rdma", "auto"] = "tcp",
+        transport: Literal["tcp", "rdma", "auto", "shm"] = "tcp",
         rdma_devices: Sequence[str] = ...,
         gpu_memory: bool = False,
     ) -> Client: ...
