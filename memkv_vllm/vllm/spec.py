@@ -18,7 +18,6 @@ prefix they agree on (memkv_vllm.direct.prefixes).
 
 from __future__ import annotations
 
-import collections
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -33,6 +32,7 @@ from memkv_vllm.direct.scratch import open_rank_io
 from memkv_vllm.direct.worker import DirectWorker
 from memkv_vllm.offload import KVOffloader, KVRef, PagedKV
 from memkv_vllm.vllm.compat import api
+from memkv_vllm.vllm.metrics import StatsReporter, metric_definitions
 
 logger = logging.getLogger("vllm.memkv_direct")  # under vLLM's logger so its handlers print it
 
@@ -63,7 +63,7 @@ class MemKVOffloadingManager(_BASES.manager):  # type: ignore[misc,name-defined]
         self.logic = logic
         self._events = kv_events
         self._locality = _API.locality(None)
-        self._reported: collections.Counter[str] = collections.Counter()
+        self._stats = StatsReporter()
 
     def lookup(self, key: bytes, req_context: Any) -> Any:
         try:
@@ -126,7 +126,7 @@ class MemKVOffloadingManager(_BASES.manager):  # type: ignore[misc,name-defined]
         self.logic.reset_cache()
 
     def get_stats(self) -> Any:
-        return _API.stats_since(self.logic.stats(), self._reported)
+        return self._stats.report(self.logic.stats())
 
     def shutdown(self) -> None:
         self.logic.shutdown()
@@ -210,7 +210,7 @@ class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[misc,name-defined]
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        return _API.metric_definitions()
+        return metric_definitions()
 
     def _board(self) -> PrefixBoard:
         return PrefixBoard(self.facts.engine_id)

@@ -29,7 +29,6 @@ call (the key namespace does not wait for vLLM's NONE_HASH).
 
 from __future__ import annotations
 
-import collections
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -41,6 +40,7 @@ from memkv_vllm.core.interface import Lookup
 from memkv_vllm.core.keys import KeyLayout
 from memkv_vllm.core.store import BlockStore, StoreOptions
 from memkv_vllm.vllm.compat import api
+from memkv_vllm.vllm.metrics import StatsReporter, metric_definitions
 
 logger = logging.getLogger("vllm.memkv_tier")  # under vLLM's logger so its handlers print it
 
@@ -118,7 +118,7 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
         # job id -> {remote key: offload key}, to report successful keys in vLLM's terms
         self._jobs: dict[int, dict[bytes, bytes]] = {}
         self._failed_now: list[Any] = []  # results decided at submit time
-        self._reported: collections.Counter[str] = collections.Counter()
+        self._stats = StatsReporter()
         # request id -> remote keys it asked about that are waiting for this step's probe
         self._asked: dict[str, list[bytes]] = {}
 
@@ -276,10 +276,10 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
     # ------------------------------------------------------------------ metrics
     @classmethod
     def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
-        return _API.metric_definitions()
+        return metric_definitions()
 
     def get_stats(self) -> Any:
-        return _API.stats_since(self._store.stats(), self._reported)
+        return self._stats.report(self._store.stats())
 
     def store_stats(self) -> dict[str, int]:
         """Cumulative block-store counters (tests, debugging)."""

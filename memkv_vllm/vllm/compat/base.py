@@ -16,51 +16,17 @@ vLLM's imports live here and in the generation modules only (a test scans the pa
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import importlib
 import logging
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from memkv_vllm.core.interface import Lookup
 
 logger = logging.getLogger(__name__)
-
-_M = "vllm:kv_offload_memkv_"
-# Metrics of the memkv tier: key -> (name, kind, label names, documentation).
-TIER_METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
-    "lookups": (_M + "lookups", "counter", ("result",),
-                "memkv tier lookups by answer (hit, miss, pending)."),
-    "lookup_timeouts": (_M + "lookup_timeouts", "counter", (),
-                        "memkv lookups answered MISS because the probe passed lookup_timeout_s."),
-    "blocks": (_M + "blocks", "counter", ("op", "result"),
-               "Offloaded chunks moved by the memkv tier (op: load/store; result: ok, failed, "
-               "shed, skipped)."),
-    "bytes": (_M + "bytes", "counter", ("op",), "Bytes moved by the memkv tier."),
-    "store_backlog_bytes": (_M + "store_backlog_bytes", "gauge", (),
-                            "Bytes of queued or in-flight memkv stores."),
-}
-# Offloader.stats() counter -> (metric key, label values)
-_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "lookup_hit": ("lookups", ("hit",)),
-    "lookup_miss": ("lookups", ("miss",)),
-    "lookup_pending": ("lookups", ("pending",)),
-    "lookup_timeouts": ("lookup_timeouts", ()),
-    "load_blocks_ok": ("blocks", ("load", "ok")),
-    "load_blocks_failed": ("blocks", ("load", "failed")),
-    "store_blocks_ok": ("blocks", ("store", "ok")),
-    "store_blocks_failed": ("blocks", ("store", "failed")),
-    "store_blocks_shed": ("blocks", ("store", "shed")),
-    "store_blocks_skipped": ("blocks", ("store", "skipped")),
-    "load_bytes": ("bytes", ("load",)),
-    "store_bytes": ("bytes", ("store",)),
-}
-# Offloader.stats() gauge -> metric key
-_GAUGES = {"store_backlog_bytes": "store_backlog_bytes"}
-
 
 class VllmAdapter(ABC):
     """One vLLM offloading-API generation, seen from memkv_vllm (see the module doc)."""
@@ -274,39 +240,29 @@ class VllmAdapter(ABC):
                                        transfer_time=seconds)
 
     # ------------------------------------------------------------------ metrics
-    def metric_definitions(self) -> dict[str, Any]:
-        """The tier's metric declarations for build_metric_definitions (front end)."""
+    def metric_definitions(self, metrics: Iterable[Any]) -> dict[str, Any]:
+        """vLLM's declarations (for build_metric_definitions, front end) of `metrics`: objects
+        with `name`, `kind` ("counter" or "gauge"), `labels` and `doc` (memkv_vllm.vllm.metrics)."""
         defs = {}
-        for name, kind, labels, doc in TIER_METRICS.values():
-            meta = self.kvb.OffloadingCounterMetadata if kind == "counter" else (
+        for m in metrics:
+            meta = self.kvb.OffloadingCounterMetadata if m.kind == "counter" else (
                 self.kvb.OffloadingGaugeMetadata)
-            defs[name] = meta(documentation=doc, labelnames=tuple(labels))
+            defs[m.name] = meta(documentation=m.doc, labelnames=tuple(m.labels))
         return defs
 
-    def stats_since(self, now: Mapping[str, int], reported: collections.Counter[str]) -> Any:
-        """An OffloadingConnectorStats with what changed in `now` (Offloader.stats()) since
-        `reported`, which is updated; None when nothing changed. Counters are sent as deltas
-        (vLLM adds them up), gauges when their value changed."""
+    def connector_stats(self, changes: Any) -> Any:
+        """An OffloadingConnectorStats carrying `changes`: `counters` (name, increase, label
+        values), which vLLM adds up, and `gauges` (name, value)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
             OffloadingConnectorStats,
         )
 
         stats = OffloadingConnectorStats()
-        changed = False
-        for counter, (metric, labels) in _COUNTERS.items():
-            value = now.get(counter, 0)
-            if value > reported[counter]:
-                stats.increase_counter(TIER_METRICS[metric][0], value - reported[counter],
-                                       labels)
-                reported[counter] = value
-                changed = True
-        for gauge, metric in _GAUGES.items():
-            value = now.get(gauge, 0)
-            if value != reported["gauge:" + gauge]:
-                stats.set_gauge(TIER_METRICS[metric][0], value)
-                reported["gauge:" + gauge] = value
-                changed = True
-        return stats if changed else None
+        for name, increase, labels in changes.counters:
+            stats.increase_counter(name, increase, labels)
+        for name, value in changes.gauges:
+            stats.set_gauge(name, value)
+        return stats
 
     # ------------------------------------------------------------------ recompute route
     def offloading_connector_class(self) -> type:
