@@ -3,10 +3,12 @@
 Selected purely by configuration (no vLLM patch):
 
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-      "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+      "kv_connector_extra_config": {"spec_name": "MemKVTieringOffloadingSpec",
         "cpu_bytes_to_use": 1073741824,
         "secondary_tiers": [{"type": "memkv", "servers": ["10.0.0.5:7390"]}]}}'
 
+(vLLM's own "TieringOffloadingSpec" serves the tier as well, except on vLLM's CPU platform, but
+keeps the CPU pool's /dev/shm file until a clean shutdown: tiering_spec.py.)
 `register()` (the vllm.general_plugins hook) adds the "memkv" type to vLLM's tier factory, which
 constructs this class in the scheduler process with every other key of the tier dict as a
 keyword argument. One value per (block hash, KV-cache group) holds a whole pool row (all workers'
@@ -35,12 +37,15 @@ from typing import Any
 
 import numpy as np
 
+from memkv_vllm import TIERING_SPEC
 from memkv_vllm.core.backends import client_or_none
 from memkv_vllm.core.interface import Lookup
 from memkv_vllm.core.keys import KeyLayout
 from memkv_vllm.core.store import BlockStore, StoreOptions
 from memkv_vllm.vllm.compat import api
+from memkv_vllm.vllm.hash_seed import warn_if_hashes_differ
 from memkv_vllm.vllm.metrics import StatsReporter, metric_definitions
+from memkv_vllm.vllm.tiering_spec import MemKVTieringOffloadingSpec
 
 logger = logging.getLogger("vllm.memkv_tier")  # under vLLM's logger so its handlers print it
 
@@ -89,6 +94,11 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
         self.locality = _API.locality(locality)
         self._events: list[Any] | None = self._events_list(bool(enable_kv_events),
                                                            offloading_spec)
+        if isinstance(offloading_spec, _API.tiering_spec_class()) and not isinstance(
+                offloading_spec, MemKVTieringOffloadingSpec):
+            logger.info("memkv tier: vLLM's TieringOffloadingSpec keeps the CPU pool's /dev/shm "
+                        "file until a clean shutdown; spec_name %s drops it once every process "
+                        "mapped it (docs/tier.md)", TIERING_SPEC)
 
         self._arr = np.asarray(primary_kv_view)  # zero-copy; keeps the mapping alive for I/O
         self._row = int(primary_kv_view.strides[0])
@@ -129,8 +139,7 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
             n_read_threads, n_write_threads, blocks_per_op, lookup_timeout_s,
             max_store_backlog_mb, _API.name,
         )
-        self._seed_checked = False
-        self._warn_if_hashes_differ()
+        self._seed_checked = warn_if_hashes_differ(logger, "tier")  # said once
 
     def _events_list(self, requested: bool, spec: Any) -> list[Any] | None:
         """The event buffer take_events() drains, if the tier should publish events."""
@@ -138,21 +147,13 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
             return None
         if not _API.tiers_publish_events():
             logger.warning("memkv tier: enable_kv_events is set but this vLLM collects no KV "
-                           "events from secondary tiers (0.26+); the tier will not emit events")
+                           "events from secondary tiers; the tier will not emit events")
             return None
         if not _API.kv_events_enabled(spec):
             logger.warning("memkv tier: enable_kv_events is set but KV cache events are disabled "
                            "globally (kv_events_config); the tier will not emit events")
             return None
         return []
-
-    def _warn_if_hashes_differ(self) -> None:
-        ok, why = _API.block_hashes_reproducible()
-        if not ok:
-            self._seed_checked = True  # said once
-            logger.warning(
-                "memkv tier: %s; other processes will compute different block hashes and never "
-                "hit this engine's blocks (set PYTHONHASHSEED to the same value everywhere)", why)
 
     # ------------------------------------------------------------------ key namespace
     def _namespace_fields(self, spec: Any) -> tuple[str, dict[str, Any]]:
@@ -177,7 +178,7 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
             if not self._seed_checked:
                 # The seed is known by the first lookup (xxhash seeds are told by their length).
                 self._seed_checked = True
-                self._warn_if_hashes_differ()
+                warn_if_hashes_differ(logger, "tier")
             rkey = self.remote_key(key)
             verdict = self._store.lookup(rkey)
             if verdict is Lookup.PENDING:

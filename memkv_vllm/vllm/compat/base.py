@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import logging
 import os
+import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from memkv_vllm.core.interface import Lookup
 
@@ -60,29 +62,27 @@ class VllmAdapter(ABC):
         except ValueError:
             pass  # already registered (plugins may load more than once per process)
 
-    def replace_builtin_spec(self, spec_name: str, loader: Callable[[], type]) -> None:
-        """Make vLLM's built-in offloading spec `spec_name` resolve to `loader()`.
-
-        vLLM has no public hook to replace a built-in spec (register_spec refuses known names), so
-        this writes the factory's private `_registry`, which maps names to lazy loaders. Raises
-        RuntimeError when that registry is not the expected shape, so that a vLLM that changed it
-        fails loudly here (and in the test that calls this) instead of silently using upstream's
-        worker.
-        """
+    def register_spec(self, spec_name: str, module_path: str, class_name: str) -> None:
+        """Make `spec_name` an offloading spec of vLLM's spec factory (a kv_connector_extra_config
+        "spec_name"), loaded lazily from `module_path`. Idempotent like `register_tier`; a name
+        vLLM already has is left to vLLM (register_spec refuses to replace it)."""
         from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-        registry = getattr(OffloadingSpecFactory, "_registry", None)
-        if not isinstance(registry, dict) or not callable(registry.get(spec_name)):
-            raise RuntimeError(f"vLLM's OffloadingSpecFactory._registry no longer maps "
-                               f"{spec_name!r} to a loader; cannot install the memkv CPU worker")
-        registry[spec_name] = loader
+        try:
+            OffloadingSpecFactory.register_spec(spec_name, module_path, class_name)
+        except ValueError:
+            pass  # already registered
 
-    def resolve_builtin_spec(self, spec_name: str) -> type:
-        """The class vLLM's spec factory resolves the built-in name `spec_name` to (what
-        `replace_builtin_spec` changed)."""
+    def spec_class(self, extra_config: Mapping[str, Any]) -> type:
+        """The spec class vLLM's factory resolves a kv_connector_extra_config to. Its argument is
+        the extra config from 0.26 on, a VllmConfig holding it before (only that is read)."""
         from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-        return OffloadingSpecFactory._registry[spec_name]()
+        get = OffloadingSpecFactory.get_spec_cls
+        if "extra_config" in inspect.signature(get).parameters:
+            return get(dict(extra_config))
+        ktc = types.SimpleNamespace(kv_connector_extra_config=dict(extra_config))
+        return get(types.SimpleNamespace(kv_transfer_config=ktc))
 
     # ------------------------------------------------------------------ tier construction
     def tier_base_kwargs(self, tier_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -441,6 +441,42 @@ class VllmAdapter(ABC):
             region = getattr(getattr(worker, "_store_handler", None), "_mmap_region", None)
         return region
 
+    def pool_file(self, region: Any) -> PoolFile | None:
+        """The file behind a SharedOffloadRegion: its /dev/shm path, the descriptor it is open as
+        and whether this mapping created it (its cleanup() then unlinks the path); None once the
+        region is closed. The creator flag is the region's private `_creator`, the same in
+        0.25-0.33: RuntimeError when a region lacks any of these, so that a vLLM that changed
+        them fails here (and in tests/tier/test_shm_pool.py) instead of unlinking blindly."""
+        missing = [n for n in ("mmap_path", "fd", "_creator") if not hasattr(region, n)]
+        if missing or not isinstance(region._creator, bool):
+            lacks = ", ".join(missing) or "boolean _creator"
+            raise RuntimeError(f"vLLM's {type(region).__name__} has no {lacks} (its shared-file "
+                               "fields changed)")
+        fd = region.fd
+        return None if fd is None else PoolFile(str(region.mmap_path), int(fd), region._creator)
+
+    def keep_name_at_cleanup(self, region: Any) -> None:
+        """Make the region's cleanup() leave its path alone (it unlinks it only as the creator)."""
+        if not isinstance(getattr(region, "_creator", None), bool):
+            raise RuntimeError(f"vLLM's {type(region).__name__} has no _creator flag")
+        region._creator = False
+
+    def call_before_shutdown(self, worker: Any, hook: Callable[[], None]) -> None:
+        """Make `worker.shutdown()` (an OffloadingWorker's last call, which frees what it owns)
+        run `hook()` first. RuntimeError if `worker` is not an OffloadingWorker with a shutdown,
+        so that a vLLM that renamed it fails here instead of never calling the hook."""
+        base = self.kvb.OffloadingWorker
+        if not isinstance(worker, base) or not callable(getattr(base, "shutdown", None)):
+            raise RuntimeError(f"{type(worker).__name__} is not an OffloadingWorker with a "
+                               "shutdown()")
+        shutdown = worker.shutdown
+
+        def shutdown_after_hook() -> None:
+            hook()
+            shutdown()
+
+        worker.shutdown = shutdown_after_hook
+
     def _model_dtype(self, spec: Any) -> str | None:
         vc = getattr(spec, "vllm_config", None)
         if vc is None:
@@ -506,6 +542,14 @@ class VllmAdapter(ABC):
         except ImportError:
             return None
         return None if vc is None else getattr(vc, "model_config", None)
+
+
+class PoolFile(NamedTuple):
+    """The /dev/shm file behind a CPU-pool region (see `VllmAdapter.pool_file`)."""
+
+    path: str
+    fd: int
+    creator: bool
 
 
 @dataclasses.dataclass(frozen=True)
