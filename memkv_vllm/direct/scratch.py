@@ -35,6 +35,7 @@ from memkv_vllm import _native
 from memkv_vllm.core.backends import client_or_none, make_client
 from memkv_vllm.core.config import MemKVConfig, load_config
 from memkv_vllm.direct.cluster import store_for
+from memkv_vllm.offload.cuda_driver import cuda_driver
 
 logger = logging.getLogger("vllm.memkv_direct")
 
@@ -57,7 +58,7 @@ def gpu_pci_address(ordinal: int) -> str | None:
     """The PCI address of CUDA device `ordinal` as the driver this process loaded gives it
     (``0000:1B:00.0``); None without a driver or device."""
     try:
-        cuda = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+        cuda = cuda_driver(loaded_only=True)
     except OSError:
         return None
     dev = ctypes.c_int()

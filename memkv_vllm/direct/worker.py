@@ -32,6 +32,7 @@ import attrs
 
 from memkv_vllm.direct.keys import key_under
 from memkv_vllm.offload import Entry, KVOffloader
+from memkv_vllm.offload.paged import chunks_spanned
 
 logger = logging.getLogger("vllm.memkv_direct")
 
@@ -44,10 +45,6 @@ class Finished:
     success: bool
     nbytes: int
     seconds: float
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def job_entries(block_ids: Sequence[int], group_sizes: Sequence[int],
@@ -66,7 +63,7 @@ def job_entries(block_ids: Sequence[int], group_sizes: Sequence[int],
         blocks = [int(x) for x in block_ids[b:b + n]]
         if len(blocks) != n:
             raise ValueError(f"group {g}: {n} blocks named, {len(blocks)} given")
-        for j in range(_cdiv(n + skip, blocks_per_chunk)):
+        for j in range(chunks_spanned(skip, n, blocks_per_chunk)):
             if c >= len(chunks):
                 raise ValueError(f"group {g} needs more chunks than the job's {len(chunks)}")
             lo = max(0, j * blocks_per_chunk - skip)
