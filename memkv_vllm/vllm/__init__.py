@@ -8,8 +8,7 @@
 * `tiering_spec` — `MemKVTieringOffloadingSpec`, the tier mode's opt-in spec: vLLM's
   TieringOffloadingSpec with `cpu_worker` (the CPU platform's copy worker) and `shm_region` (the
   CPU pool's /dev/shm name dropped once every process mapped it).
-* `metrics` — the metric table both modes export, and its deltas; `hash_seed` — the warning both
-  modes give when other engines will compute other block hashes.
+* `metrics` — the metric table both modes export, and its deltas.
 
 Users name `memkv_vllm.spec` and `memkv_vllm.connector` in their configs: those modules
 re-export what is here.

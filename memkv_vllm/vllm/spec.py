@@ -32,7 +32,6 @@ from memkv_vllm.direct.scratch import open_rank_io
 from memkv_vllm.direct.worker import DirectWorker
 from memkv_vllm.offload import KVOffloader, KVRef, PagedKV
 from memkv_vllm.vllm.compat import api
-from memkv_vllm.vllm.hash_seed import warn_if_hashes_differ
 from memkv_vllm.vllm.metrics import StatsReporter, metric_definitions
 
 logger = logging.getLogger("vllm.memkv_direct")  # under vLLM's logger so its handlers print it
@@ -220,7 +219,11 @@ class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[misc,name-defined]
         if self._manager is None:
             f, o = self.facts, self.options
             prefix = self._board().adopt(f.world_size)
-            warn_if_hashes_differ(logger, "direct")
+            ok, why = _API.block_hashes_reproducible()
+            if not ok:
+                logger.warning("memkv direct: %s; other engines will compute other block hashes "
+                               "and never hit this engine's blocks (set PYTHONHASHSEED to the "
+                               "same value everywhere)", why)
             store, client, cfg = connect(o.client_overrides, n_read_threads=1,
                                          n_write_threads=1, hit_ttl_s=o.lookup_hit_ttl_s,
                                          miss_ttl_s=o.lookup_miss_ttl_s)

@@ -43,7 +43,6 @@ from memkv_vllm.core.interface import Lookup
 from memkv_vllm.core.keys import KeyLayout
 from memkv_vllm.core.store import BlockStore, StoreOptions
 from memkv_vllm.vllm.compat import api
-from memkv_vllm.vllm.hash_seed import warn_if_hashes_differ
 from memkv_vllm.vllm.metrics import StatsReporter, metric_definitions
 from memkv_vllm.vllm.tiering_spec import MemKVTieringOffloadingSpec
 
@@ -139,7 +138,8 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
             n_read_threads, n_write_threads, blocks_per_op, lookup_timeout_s,
             max_store_backlog_mb, _API.name,
         )
-        self._seed_checked = warn_if_hashes_differ(logger, "tier")  # said once
+        self._seed_checked = False
+        self._warn_if_hashes_differ()
 
     def _events_list(self, requested: bool, spec: Any) -> list[Any] | None:
         """The event buffer take_events() drains, if the tier should publish events."""
@@ -154,6 +154,14 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
                            "globally (kv_events_config); the tier will not emit events")
             return None
         return []
+
+    def _warn_if_hashes_differ(self) -> None:
+        ok, why = _API.block_hashes_reproducible()
+        if not ok:
+            self._seed_checked = True  # said once
+            logger.warning(
+                "memkv tier: %s; other processes will compute different block hashes and never "
+                "hit this engine's blocks (set PYTHONHASHSEED to the same value everywhere)", why)
 
     # ------------------------------------------------------------------ key namespace
     def _namespace_fields(self, spec: Any) -> tuple[str, dict[str, Any]]:
@@ -178,7 +186,7 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[misc
             if not self._seed_checked:
                 # The seed is known by the first lookup (xxhash seeds are told by their length).
                 self._seed_checked = True
-                warn_if_hashes_differ(logger, "tier")
+                self._warn_if_hashes_differ()
             rkey = self.remote_key(key)
             verdict = self._store.lookup(rkey)
             if verdict is Lookup.PENDING:

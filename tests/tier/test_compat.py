@@ -5,7 +5,6 @@ worker's shutdown), which must fail loudly if vLLM changes them."""
 
 from __future__ import annotations
 
-import logging
 import os
 import uuid
 
@@ -18,7 +17,6 @@ from memkv_vllm import TIERING_SPEC
 from memkv_vllm.core.keys import KeyLayout
 from memkv_vllm.vllm import compat
 from memkv_vllm.vllm.compat import api
-from memkv_vllm.vllm.hash_seed import warn_if_hashes_differ
 from memkv_vllm.vllm.tiering_spec import MemKVTieringOffloadingSpec
 
 
@@ -137,17 +135,3 @@ def test_the_detected_adapter_is_the_newest_whose_probe_passes() -> None:
     assert not any(g.probe() for g in gens[:gens.index(detected)])
     assert all(g.probe() for g in gens[gens.index(detected):])
 
-
-def test_the_hash_seed_warning_says_when_and_why_hashes_differ(caplog, monkeypatch) -> None:
-    log = logging.getLogger("memkv-test-hash-seed")
-    monkeypatch.setenv("PYTHONHASHSEED", "0")
-    with caplog.at_level(logging.WARNING, logger=log.name):
-        assert not warn_if_hashes_differ(log, "tier")
-    assert not caplog.records
-    monkeypatch.delenv("PYTHONHASHSEED")
-    ok, why = api().block_hashes_reproducible()
-    with caplog.at_level(logging.WARNING, logger=log.name):
-        assert warn_if_hashes_differ(log, "direct") is (not ok)
-    assert [r.getMessage() for r in caplog.records] == ([] if ok else [
-        f"memkv direct: {why}; other engines will compute other block hashes and never hit this "
-        "engine's blocks (set PYTHONHASHSEED to the same value everywhere)"])
