@@ -5,9 +5,9 @@
 * `tier` — the `memkv` secondary tier behind vLLM's CPU pool (tier mode).
 * `spec` — `MemKVOffloadingSpec` (direct mode), a thin shell over `memkv_vllm.direct`.
 * `connector` — `MemKVOffloadingConnector`, the recompute route for failed loads.
+* `cpu_worker`, `shm_region` — vLLM's CPU pool on the CPU platform, and its /dev/shm lifetime.
 * `tiering_spec` — `MemKVTieringOffloadingSpec`, the tier mode's opt-in spec: vLLM's
-  TieringOffloadingSpec with `cpu_worker` (the CPU platform's copy worker) and `shm_region` (the
-  CPU pool's /dev/shm name dropped once every process mapped it).
+  TieringOffloadingSpec with those two.
 * `metrics` — the metric table both modes export, and its deltas.
 
 Users name `memkv_vllm.spec` and `memkv_vllm.connector` in their configs: those modules
