@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memkv_procs import MemKVServer  # noqa: E402
+from netns_hosts import Hosts  # noqa: E402
 
 
 @pytest.fixture
@@ -48,3 +49,17 @@ def memkv_server(memkv_server_factory: Callable[..., MemKVServer]) -> MemKVServe
 @pytest.fixture
 def memkv_cluster2(memkv_server_factory: Callable[..., MemKVServer]) -> list[MemKVServer]:
     return [memkv_server_factory(), memkv_server_factory()]
+
+
+@pytest.fixture
+def net_hosts() -> Iterator[Hosts]:
+    """Hosts as separate network stacks (tests/netns_hosts.py): ``net_hosts.add()`` makes one,
+    each removed after the test, also when it fails. Skips without root or `ip netns`."""
+    why = Hosts.available()
+    if why is not None:
+        pytest.skip(f"hosts as network namespaces: {why}")
+    hosts = Hosts()
+    try:
+        yield hosts
+    finally:
+        hosts.close()
