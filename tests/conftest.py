@@ -30,10 +30,12 @@ def memkv_server_factory() -> Iterator[Callable[..., MemKVServer]]:
         s.kill()
 
 
-@pytest.fixture(params=["tcp", "rdma"])
+@pytest.fixture(params=["tcp", "rdma", "shm"])
 def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test over each data path: TCP, and RDMA over libfabric's tcp provider on loopback
-    (servers started after this fixture serve RDMA; `client_for(..., transport=...)` uses it)."""
+    """Runs a test over each data path: TCP, RDMA over libfabric's tcp provider on loopback
+    (servers started after this fixture serve RDMA; `client_for(..., transport=...)` uses it),
+    and the same-host path (every server serves it; buffers that are no memfd or /dev/shm
+    mapping move over its unix socket, `tests/test_shm.py` covers the server's copies)."""
     if request.param == "rdma":
         monkeypatch.setenv("MEMKV_RDMA", "true")
         monkeypatch.setenv("MEMKV_RDMA_PROVIDER", "tcp")

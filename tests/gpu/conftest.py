@@ -50,12 +50,9 @@ def _why_skip() -> str | None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mine = [i for i in items if HERE in Path(str(i.fspath)).parents]
-    if not mine:
-        return
-    reason = _why_skip()
-    for item in mine:
-        item.add_marker(pytest.mark.gpu)
-        if reason:
+    reason = _why_skip() if mine else None
+    if reason:
+        for item in mine:
             item.add_marker(pytest.mark.skip(reason=reason))
 
 

@@ -30,6 +30,8 @@ from vllm_procs import (
     wait_healthy,
 )
 
+pytestmark = pytest.mark.gpu
+
 # What process pools' semaphores and queues leave after a SIGKILL of the group: Python's
 # multiprocessing (vLLM's executor queues: psm_, sem.mp-) and loky's (joblib's process pools, which
 # a library of the GPU host started: sem.loky-). Their resource trackers, which remove them on any

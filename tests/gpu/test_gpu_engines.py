@@ -25,6 +25,8 @@ from engines import (
 )
 from memkv_procs import MemKVServer
 
+pytestmark = pytest.mark.gpu
+
 N_VALUES = 2 * PROMPT_BLOCKS  # main + control, one value per full block
 MODES = ("tier", "direct")
 

@@ -20,6 +20,8 @@ from engines import BLOCK, PROMPT_BLOCKS
 from fault_procs import run_fault_engine
 from memkv_procs import MemKVServer
 
+pytestmark = pytest.mark.gpu
+
 PREFIX_TOKENS = PROMPT_BLOCKS * BLOCK  # direct_fault_engine.py's 600-token prompts: 4 full blocks
 # case -> prompt seeds. After the freeze, B's client leaves the server alone for a backoff and
 # its lookups miss: the killed case tries spare prompts until its loads start.
