@@ -72,7 +72,7 @@ class _Side:
         return self.bases[t_idx] + offsets
 
 
-class _Job(NamedTuple):
+class _CopyJob(NamedTuple):
     """One queued transfer: copy sizes[i] bytes from srcs[i] to dsts[i], for every i."""
 
     job_id: int
@@ -103,7 +103,7 @@ class ThreadedCopyWorker:
         self._pool = _Side(pool, pages, blocks_per_chunk)
         self._keep = (dev, pool)  # the views must outlive every copy
         self._cond = threading.Condition()
-        self._queue: collections.deque[_Job] = collections.deque()
+        self._queue: collections.deque[_CopyJob] = collections.deque()
         self._in_flight: set[int] = set()  # submitted, not yet copied
         self._finished: list[Any] = []  # results not yet handed to get_finished()
         self._stopping = False
@@ -113,7 +113,7 @@ class ThreadedCopyWorker:
         logger.info("memkv CPU-platform offload worker: %d KV tensors, blocks_per_chunk=%d",
                     len(dev), blocks_per_chunk)
 
-    def _plan(self, to_pool: bool, job_id: int, src_spec: Any, dst_spec: Any) -> _Job:
+    def _plan(self, to_pool: bool, job_id: int, src_spec: Any, dst_spec: Any) -> _CopyJob:
         """The job's copies; ValueError/IndexError (nothing queued) when its geometry does not
         fit the registered KV caches and pool."""
         a = api()
@@ -150,8 +150,8 @@ class ThreadedCopyWorker:
             raise ValueError(f"job {job_id}: block lists are longer than its groups")
         if not sizes:
             empty = np.zeros(0, dtype=np.int64)
-            return _Job(job_id, empty, empty, empty, 0)
-        return _Job(job_id, np.concatenate(srcs), np.concatenate(dsts), np.concatenate(sizes),
+            return _CopyJob(job_id, empty, empty, empty, 0)
+        return _CopyJob(job_id, np.concatenate(srcs), np.concatenate(dsts), np.concatenate(sizes),
                     nbytes)
 
     def copy(self, to_pool: bool, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
