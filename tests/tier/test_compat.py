@@ -9,7 +9,7 @@ import uuid
 import pytest
 from harness import okey
 
-from memkv_vllm import compat
+from memkv_vllm.vllm import compat
 from memkv_vllm.core.keys import KeyLayout
 from memkv_vllm.vllm.compat import api
 from memkv_vllm.vllm.cpu_worker import cpu_tiering_spec_class, install
