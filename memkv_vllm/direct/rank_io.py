@@ -49,7 +49,7 @@ def open_rank_io(kv_device: Any, requested: str, overrides: Mapping[str, Any],
                  sysfs: str = "/sys", **store_options: Any) -> RankIO:
     """Client, block store and scratch choice of one worker rank whose KV tensors are on
     `kv_device` (a torch device). A bad setting raises (startup); a client that cannot be made
-    does not (see `connect`)."""
+    does not (see `memkv_vllm.direct.cluster.connect`)."""
     kv_on_cuda = kv_device.type == "cuda"
     gpu_pci = None
     if kv_on_cuda:
