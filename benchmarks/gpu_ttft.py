@@ -3,7 +3,7 @@
 engine restart from memkv (tier mode, direct mode) and from vLLM's own fs tier on /dev/shm.
 
   scripts/gpu-run.sh python benchmarks/gpu_ttft.py [--prefixes 2048,8192,16384,32768]
-      [--modes cold,pool,tier,direct,direct-samehost,fs] [--json OUT.json]
+      [--modes cold,pool,tier,tier-samehost,direct,direct-samehost,fs] [--json OUT.json]
 
 The model has random weights (vLLM's dummy loader) and Llama-3-8B's shape: 32 layers, 32 query
 heads, 8 KV heads of 128, hidden 4096, intermediate 14336, bf16 (128 KiB of KV per token); its
@@ -15,6 +15,8 @@ per N. Engines, each a new process (scripts/kv_engine.py), one after another:
                  to every secondary tier). Per prompt: `cold` (computed), then `pool` (the GPU
                  prefix cache cleared, the blocks come from the CPU pool of the same engine).
   tier           a new engine, empty CPU pool, memkv tier only: `tier` (memkv -> pool -> GPU).
+  tier-samehost  the same over a same-host transport (--same-host-transport), where memkv_vllm's
+                 config offers one: the server copies into the CPU pool's shared pages.
   fs             a new engine, fs tier only: `fs` (vLLM's files on /dev/shm -> pool -> GPU).
   direct writer  direct mode (MemKVOffloadingSpec), stores every prompt.
   direct         a new engine, direct mode over TCP: `direct` (memkv -> GPU).
@@ -50,7 +52,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from tier_engine import kv_transfer_config  # noqa: E402
 
-MODES = ("cold", "pool", "tier", "direct", "direct-samehost", "fs")
+MODES = ("cold", "pool", "tier", "tier-samehost", "direct", "direct-samehost", "fs")
 SHAPES = {
     # Llama-3-8B's geometry; vocab_size only sizes the embedding (the tokenizer has 1024 ids).
     "llama3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -140,9 +142,12 @@ def same_host_transport(name: str) -> str | None:
 
 
 def tier_config(args: argparse.Namespace, server: str, prefix: str, fs_root: str,
-                memkv: bool, fs: bool) -> dict:
+                memkv: bool, fs: bool, transport: str = "") -> dict:
     kv = kv_transfer_config(server, prefix, int(args.cpu_gib * (1 << 30)))
     extra = kv["kv_connector_extra_config"]
+    if transport:
+        for tier in extra["secondary_tiers"]:
+            tier["transport"] = transport
     extra["block_size"] = args.chunk_tokens
     extra["secondary_tiers"] = ((extra["secondary_tiers"] if memkv else [])
                                 + ([{"type": "fs", "root_dir": fs_root}] if fs else []))
@@ -216,7 +221,7 @@ def run_engines(run: Run, args: argparse.Namespace, kv_token: int) -> dict[str, 
     fs_root = f"/dev/shm/memkv-gpu-ttft-fs-{tag}"
     try:
         if modes & {"cold", "pool", "tier", "fs"}:
-            memkv, fs = "tier" in modes, "fs" in modes
+            memkv, fs = bool(modes & {"tier", "tier-samehost"}), "fs" in modes
             w = run.engine("writer", tier_config(args, run.server, f"tier-{tag}", fs_root, memkv,
                                                  fs),
                            pool="pool" in modes, new_items=chunks(args) if memkv else 0,
@@ -224,10 +229,20 @@ def run_engines(run: Run, args: argparse.Namespace, kv_token: int) -> dict[str, 
             results["cold"] = {n: w["prompts"][str(n)] for n in args.prefixes}
             if "pool" in modes:
                 results["pool"] = {n: w["prompts"][str(n)]["pool"] for n in args.prefixes}
-            if memkv:
+            if "tier" in modes:
                 r = run.engine("tier", tier_config(args, run.server, f"tier-{tag}", fs_root,
                                                    True, False))
                 results["tier"] = {n: r["prompts"][str(n)] for n in args.prefixes}
+            if "tier-samehost" in modes:
+                why = same_host_transport(args.same_host_transport)
+                if why:
+                    print(f"[gpu_ttft] tier-samehost skipped: {why}", flush=True)
+                else:
+                    r = run.engine("tier-samehost", tier_config(
+                        args, run.server, f"tier-{tag}", fs_root, True, False,
+                        args.same_host_transport))
+                    results["tier-samehost"] = {n: r["prompts"][str(n)]
+                                                for n in args.prefixes}
             if fs:
                 r = run.engine("fs", tier_config(args, run.server, f"tier-{tag}", fs_root,
                                                  False, True))

@@ -30,9 +30,12 @@ from vllm_procs import (
     wait_healthy,
 )
 
-# What vLLM's executor queues leave after a SIGKILL of the group: their resource tracker, which
-# removes them on any other exit, is killed too (docs/tier.md). Nothing else may be left.
-QUEUES = ("psm_", "sem.mp-")
+# What process pools' semaphores and queues leave after a SIGKILL of the group: Python's
+# multiprocessing (vLLM's executor queues: psm_, sem.mp-) and loky's (joblib's process pools, which
+# a library of the GPU host started: sem.loky-). Their resource trackers, which remove them on any
+# other exit, are killed too (docs/tier.md). Nothing else may be left: no CPU pool file, nothing
+# of memkv's.
+QUEUES = ("psm_", "sem.mp-", "sem.loky-")
 
 
 def cli_flags(engine_args: dict) -> list[str]:

@@ -103,9 +103,10 @@ fn transport_choice(name: &str) -> PyResult<TransportChoice> {
         "tcp" => TransportChoice::Tcp,
         "rdma" => TransportChoice::Rdma,
         "auto" => TransportChoice::Auto,
+        "shm" => TransportChoice::Shm,
         other => {
             return Err(PyValueError::new_err(format!(
-                "transport must be tcp, rdma or auto, got {other:?}"
+                "transport must be tcp, rdma, auto or shm, got {other:?}"
             )))
         }
     })

@@ -13,6 +13,10 @@ mod rdma_hello;
 mod rdma_test_client;
 mod rdma_transfer;
 mod rma_batch;
+mod shm_common;
+mod shm_get;
+mod shm_put;
+mod shm_region;
 
 use std::time::Instant;
 
