@@ -235,7 +235,7 @@ class VllmAdapter(ABC):
                         success: bool = True) -> Any:
         """A worker TransferResult. vLLM's OffloadingConnector asserts on success=False (the
         engine stops): only direct mode's plain configuration reports one, for a load that
-        cannot be recomputed (memkv_vllm.direct.worker says why)."""
+        cannot be recomputed (memkv_vllm.direct.load_failures says why)."""
         return self.kvb.TransferResult(job_id=job_id, success=success, transfer_size=nbytes,
                                        transfer_time=seconds)
 
@@ -344,19 +344,6 @@ class VllmAdapter(ABC):
         scheduler process, and in a worker before its KV caches are registered."""
         side = getattr(connector, "connector_worker", None)
         return None if side is None else side.worker
-
-    def replace_offloading_worker(self, connector: Any, worker: Any) -> None:
-        """Make an OffloadingConnector's worker side drive `worker` from now on."""
-        connector.connector_worker.worker = worker
-
-    def transfer_outcome(self, result: Any) -> tuple[int, bool]:
-        """(job id, success) of a worker TransferResult."""
-        return int(result.job_id), bool(result.success)
-
-    def transfer_succeeded_empty(self, result: Any) -> Any:
-        """`result` as a success that moved nothing (vLLM's transfer metrics skip a result
-        without size and time)."""
-        return dataclasses.replace(result, success=True, transfer_size=None, transfer_time=None)
 
     def load_failure_policy(self, vllm_config: Any) -> str:
         """The engine's kv_load_failure_policy ("recompute" or "fail", vLLM's default)."""
