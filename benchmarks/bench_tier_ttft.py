@@ -6,7 +6,7 @@ with another), each prompt as a max_tokens=1 request:
 
   plain     plain vLLM, no KV connector (for reference: a KV connector changes vLLM's scheduling,
             e.g. async scheduling, so this is not the baseline of the tier's cost)
-  baseline  vLLM's TieringOffloadingSpec with the CPU pool only (no secondary tier)
+  baseline  vLLM's CPU pool only (MemKVTieringOffloadingSpec, no secondary tier)
   cold      the same plus the memkv tier, cluster empty for these prompts: every lookup misses
   warm      a NEW engine process (empty CPU pool), memkv tier on: prefixes come from the cluster
 

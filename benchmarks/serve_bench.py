@@ -7,7 +7,7 @@ vllm.entrypoints.openai.api_server`, `--enforce-eager`) measured by vLLM's servi
 (shared prefixes plus distinct suffixes):
 
   plain    plain vLLM, no KV connector
-  pool     the OffloadingConnector with vLLM's CPU pool only (TieringOffloadingSpec, no tier)
+  pool     the OffloadingConnector with vLLM's CPU pool only (MemKVTieringOffloadingSpec, no tier)
   cold     the same plus the memkv tier, the cluster empty for this round's prompts
   restart  a NEW API server on the same cluster and the same prompts: prefixes come from memkv
 
@@ -85,7 +85,7 @@ def kv_config(mode: str, engine_id: str, servers: str, prefix: str, cpu_bytes: i
     tiers = [{"type": "memkv", "servers": [servers], "prefix": prefix}] if mode != "pool" else []
     # engine_id names the CPU pool's /dev/shm file (vllm_offload_{engine_id}.mmap).
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
-            "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+            "kv_connector_extra_config": {"spec_name": "MemKVTieringOffloadingSpec",
                                           "cpu_bytes_to_use": cpu_bytes,
                                           "secondary_tiers": tiers}}
 

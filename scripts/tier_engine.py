@@ -43,7 +43,7 @@ def kv_transfer_config(servers: str, prefix: str, cpu_bytes: int, backend: str =
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
-            "spec_name": "TieringOffloadingSpec",
+            "spec_name": "MemKVTieringOffloadingSpec",
             "cpu_bytes_to_use": cpu_bytes,
             "secondary_tiers": [tier],
         },

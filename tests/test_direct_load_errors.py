@@ -1,10 +1,11 @@
 """After a failed load, direct mode's manager stops answering HIT for the chunks that were loading.
 
-In direct mode the workers load and the scheduler looks up, each through its own BlockStore, so a
+In direct mode the workers load and the scheduler looks up, each through its own store, so a
 load that fails on a worker leaves the scheduler's verdict cache saying HIT. The recompute
-connector then calls the manager's `on_load_errors()` (memkv_vllm.connector); without it, the
-recomputed request's next lookup finds the same chunks, loads them and fails again, for as long
-as the cached HIT lasts (tests/e2e/test_direct_faults.py saw that loop with a frozen server).
+connector then calls the manager's `on_load_errors()` (`LoadErrorListener`,
+memkv_vllm.connector); without it, the recomputed request's next lookup finds the same chunks,
+loads them and fails again, for as long as the cached HIT lasts (tests/e2e/test_direct_faults.py
+saw that loop with a frozen server).
 Real server; the verdicts come from real probes.
 """
 
@@ -12,10 +13,10 @@ from __future__ import annotations
 
 import time
 
+from memkv_vllm.core.backends import store_for
 from memkv_vllm.core.client import MemKVClient
 from memkv_vllm.core.config import load_config
-from memkv_vllm.core.interface import Lookup
-from memkv_vllm.core.store import BlockStore, StoreOptions
+from memkv_vllm.core.interface import DirectOffloader, Lookup
 from memkv_vllm.direct.manager import DirectManager
 
 PREFIX = b"p" * 20
@@ -25,7 +26,7 @@ def split(key: bytes) -> tuple[bytes, int]:
     return key, 0
 
 
-def settled(store: BlockStore, manager: DirectManager, key: bytes) -> Lookup:
+def settled(store: DirectOffloader, manager: DirectManager, key: bytes) -> Lookup:
     """The manager's answer for `key` once the store's probe came back."""
     deadline = time.monotonic() + 10
     while (v := manager.lookup(key, "req")) is Lookup.PENDING:
@@ -36,8 +37,9 @@ def settled(store: BlockStore, manager: DirectManager, key: bytes) -> Lookup:
 
 
 def test_on_load_errors_turns_the_loading_chunks_into_misses(memkv_server) -> None:
-    client = MemKVClient.from_config(load_config({"servers": memkv_server.address}))
-    store = BlockStore(client, StoreOptions(hit_ttl_s=60.0))
+    cfg = load_config({"servers": memkv_server.address})
+    client = MemKVClient.from_config(cfg)
+    store = store_for(client, cfg, hit_ttl_s=60.0)
     manager = DirectManager(store, PREFIX, 1, split)
     try:
         loading, other = b"h" * 32, b"o" * 32

@@ -10,5 +10,5 @@ DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "interface.md"
 
 def test_the_embedding_example_runs() -> None:
     [code] = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
-    assert len(code.strip().splitlines()) <= 50
+    assert len(code.strip().splitlines()) <= 60
     exec(compile(code, str(DOC), "exec"), {"__name__": "interface_doc"})

@@ -1,4 +1,5 @@
-"""memkv_vllm.vllm.shm_region on real files: which name it unlinks, and when it leaves one alone."""
+"""memkv_vllm.vllm.shm_region on real files, without vLLM: which name it unlinks, and when it
+leaves one alone (tests/tier/test_shm_pool.py: the same with vLLM's real regions and specs)."""
 
 from __future__ import annotations
 
@@ -8,62 +9,38 @@ from pathlib import Path
 
 import pytest
 
-from memkv_vllm.vllm.shm_region import drop_name_after_last_mapping, forget_dropped_name
-
-
-class Region:
-    """The attributes of vLLM's SharedOffloadRegion that the helpers read: name, fd, creator."""
-
-    def __init__(self, path: Path, creator: bool) -> None:
-        self.mmap_path = str(path)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if creator else 0)
-        self.fd: int | None = os.open(path, flags, 0o600)
-        self._creator = creator
+from memkv_vllm.vllm.shm_region import drop_name, names_file
 
 
 @pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[Region, Region]]:
+def pool(tmp_path: Path) -> Iterator[tuple[str, int]]:
+    """A pool file as a worker created it, and the descriptor the scheduler opened it as."""
     path = tmp_path / "vllm_offload_e.mmap"
-    worker = Region(path, creator=True)
-    scheduler = Region(path, creator=False)
-    yield worker, scheduler
-    for r in (worker, scheduler):
-        os.close(r.fd)  # type: ignore[arg-type]
+    path.write_bytes(b"kv")
+    fd = os.open(path, os.O_RDWR)
+    yield str(path), fd
+    os.close(fd)
 
 
-def test_the_joiner_unlinks_the_name_and_the_creator_then_leaves_it_alone(pair) -> None:
-    worker, scheduler = pair
-    os.write(worker.fd, b"kv")
-    assert drop_name_after_last_mapping(scheduler)
-    assert not os.path.exists(scheduler.mmap_path)
-    assert os.pread(scheduler.fd, 2, 0) == b"kv"  # the open file outlives its name
-    forget_dropped_name(worker)
-    assert worker._creator is False  # cleanup() will not try to unlink the name again
-    assert not drop_name_after_last_mapping(scheduler)  # idempotent
+def test_the_joiner_unlinks_the_name_and_keeps_the_file(pool) -> None:
+    path, fd = pool
+    assert names_file(path, fd)
+    assert drop_name(path, fd, creator=False)
+    assert not os.path.exists(path) and not names_file(path, fd)
+    assert os.pread(fd, 2, 0) == b"kv"  # the open file outlives its name
+    assert not drop_name(path, fd, creator=False)  # idempotent
 
 
-def test_the_creator_never_unlinks(pair) -> None:
-    worker, _ = pair
-    assert not drop_name_after_last_mapping(worker)  # workers not known to be done mapping
-    assert os.path.exists(worker.mmap_path)
+def test_the_creator_never_unlinks(pool) -> None:
+    path, fd = pool
+    assert not drop_name(path, fd, creator=True)  # workers not known to be done mapping
+    assert os.path.exists(path)
 
 
-def test_a_newer_file_under_the_same_name_is_left_alone(pair) -> None:
-    worker, scheduler = pair
-    os.unlink(scheduler.mmap_path)
-    Path(scheduler.mmap_path).write_bytes(b"")  # another engine with the same engine id
-    assert not drop_name_after_last_mapping(scheduler)
-    assert os.path.exists(scheduler.mmap_path)
-    forget_dropped_name(worker)
-    assert worker._creator is False  # its cleanup() must not remove the newer engine's file
-
-
-def test_the_creator_keeps_its_name_while_nobody_dropped_it(pair) -> None:
-    worker, _ = pair
-    forget_dropped_name(worker)
-    assert worker._creator is True  # vLLM's own cleanup still removes it
-
-
-def test_objects_without_the_region_attributes_are_ignored() -> None:
-    assert not drop_name_after_last_mapping(None)
-    forget_dropped_name(object())
+def test_a_newer_file_under_the_same_name_is_left_alone(pool) -> None:
+    path, fd = pool
+    os.unlink(path)
+    Path(path).write_bytes(b"")  # another engine with the same engine id
+    assert not names_file(path, fd)
+    assert not drop_name(path, fd, creator=False)
+    assert os.path.exists(path)

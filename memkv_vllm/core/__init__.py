@@ -4,7 +4,8 @@
 * `store` — `BlockStore`, the `Offloader` over one client: lookups, batched loads and stores.
 * `client` — `MemKVClient`, the native memkv client (placement over servers, pools, transports).
 * `redis_client` — the same client contract over a Redis/Valkey Cluster (`backend: redis`).
-* `backends` — picks the client for the configured backend.
+* `backends` — picks the client for the configured backend, and builds the store over it.
+* `request_lookups` — a scheduler step's lookups by request (preempted ones are not probed).
 * `config` — connection settings from MEMKV_CONFIG / MEMKV_* and their checks.
 * `keys` — the tier's key layout (model, layout, rank and tenant never collide).
 

@@ -1,19 +1,24 @@
-"""The block client a configuration names: memkv's own cluster or Redis / Valkey.
+"""The block client a configuration names (memkv's own cluster or Redis / Valkey), and the block
+store over it.
 
-`make_client(cfg)` is what the vLLM tier (and any other `BlockStore` owner) calls, so that
+`make_client(cfg)` is what the vLLM tier and direct mode (and any other store owner) call, so that
 ``backend: redis`` in the tier dict, the ``MEMKV_CONFIG`` file or ``MEMKV_BACKEND`` switches the
 engine below without touching the code above. Both answers have a ``codes`` face (one ``bytes``
 of `Status` numbers per batch) that implements `memkv_vllm.core.interface.BlockClient`, and
-``close``.
+``close``. `store_for(client, cfg)` is the one place that builds a `BlockStore` for them: its
+owners see it only as the `Offloader` / `DirectOffloader` contract.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from memkv_vllm.core.config import MemKVConfig, load_config
+from memkv_vllm.core.interface import DirectOffloader
+from memkv_vllm.core.store import BlockStore, StoreOptions
 
 
 def make_client(cfg: MemKVConfig, io_threads: int | None = None,
@@ -42,3 +47,13 @@ def client_or_none(overrides: Mapping[str, Any] | None, log: logging.Logger, who
         log.error("memkv %s: cannot create the %s client (%s); every lookup will miss", who,
                   cfg.backend, e)
         return None, cfg
+
+
+def store_for(client: Any, cfg: MemKVConfig, clock: Callable[[], float] = time.monotonic,
+              **store_options: Any) -> DirectOffloader:
+    """The block store over `client` (None: every lookup misses and every job fails) with `cfg`'s
+    lease on its lookups and renewals; `store_options` are `StoreOptions` fields."""
+    store_options.setdefault("lookup_lease_ms", int(cfg.lease_ms))
+    # The store compares status numbers: it takes the client's code-bytes face.
+    return BlockStore(None if client is None else client.codes, StoreOptions(**store_options),
+                      clock=clock)

@@ -11,6 +11,16 @@ Two boundaries, each a `typing.Protocol` so that either side can be replaced wit
   `memkv_vllm.core.client.MemKVClient` implements it; `RegisteringClient` adds the optional
   registration step transports such as RDMA need.
 
+Direct mode (memkv_vllm.direct, memkv_vllm.offload) adds two more:
+
+* `DirectOffloader` — an `Offloader` with the few operations direct mode's manager and its
+  `KVOffloader` also need: verdicts known without probing, verdicts the owner learned itself,
+  lease renewal before a load, and a wait for the next completion. `BlockStore` implements it.
+* `LoadErrorReporter` / `LoadErrorListener` — how a connector that recomputes failed loads meets
+  the offloading spec it drives: the spec's worker hands over the blocks of its failed loads
+  instead of reporting the loads as failed, and the spec's manager hears that loads failed.
+  memkv_vllm.vllm.spec implements both; memkv_vllm.vllm.connector uses them.
+
 Threads: an `Offloader` belongs to ONE owner thread (vLLM: the scheduler thread). Every method is
 called on that thread and returns without waiting on the network, except `drain()` and `close()`,
 which wait by design. `BlockClient` transfer methods are called on the offloader's own I/O threads
@@ -251,4 +261,86 @@ class Offloader(Protocol):
         """BLOCKING: wait for running I/O (so caller memory is no longer touched), stop the I/O
         threads and end every buffer registration. Idempotent. Later jobs complete failed
         without I/O."""
+        ...
+
+
+class DirectOffloader(Offloader, Protocol):
+    """An `Offloader` as direct mode uses it: the scheduler's `DirectManager` and each worker's
+    `KVOffloader` (memkv_vllm.direct, memkv_vllm.offload) call these too.
+
+    Caller and thread: the owner thread, as for every `Offloader` method (the scheduler thread for
+    the manager; for a `KVOffloader`, whichever thread holds its lock), except `wait_any`, which
+    the `KVOffloader`'s progress thread calls without that lock while the owner goes on.
+
+    Failures never raise: a renewal that cannot start or does not find a value only makes later
+    lookups miss.
+    """
+
+    def known_hit(self, key: bytes) -> bool:
+        """Is `key` known to be in the cluster (an unexpired HIT verdict, from a probe or from a
+        store of this offloader)? Never probes, never queues a probe, counts no lookup."""
+        ...
+
+    def mark_missing(self, keys: Sequence[bytes]) -> None:
+        """Answer MISS for `keys` for the failed-load verdict lifetime: the owner learned that the
+        cluster does not hold them usefully (a load of them failed elsewhere, e.g. on a worker
+        whose store is not this one). Replaces any verdict they have."""
+        ...
+
+    def renew_leases(self, keys: Sequence[bytes]) -> None:
+        """Ask the cluster again to keep `keys` for the lookup lease, because loads of them are
+        about to start and the lease their lookup took may have run out (a HIT answered from the
+        verdict cache is older than its lease). Non-blocking: the answer is read by a later
+        `flush_lookups`; a key it does not find turns MISS as by `mark_missing`, so later lookups
+        do not lead to the same failed load. `has_pending_lookups` is True until then. Does
+        nothing without a cluster or with leases off."""
+        ...
+
+    def wait_any(self, timeout: float) -> bool:
+        """BLOCKING: wait until some job has finished that `poll` has not returned yet, at most
+        `timeout` seconds. True if one has. Any thread may call it, concurrently with the owner's
+        calls (it only watches the completions); for owners that also wait on other work (device
+        copies) and cannot block in `drain` until every job is done."""
+        ...
+
+
+@runtime_checkable
+class LoadErrorReporter(Protocol):
+    """An offloading worker that can hand the blocks of its failed loads to the connector that
+    drives it, which has the serving stack recompute them, instead of reporting those loads as
+    failed transfers.
+
+    Until `recompute_failed_loads` is called, a load that did not write all its blocks is
+    reported failed (vLLM's stock OffloadingConnector then stops the engine: it has no way to
+    recompute, and generating from KV that was never loaded would be worse).
+
+    Caller and thread: the connector (memkv_vllm.vllm.connector, worker side), on the thread that
+    submits the worker's jobs and collects them (vLLM's worker thread). Failures: neither method
+    raises.
+    """
+
+    def recompute_failed_loads(self) -> None:
+        """From now on answer a failed load as a success and keep the destination blocks it did
+        not write for `take_load_errors`. Called once, before the first job."""
+        ...
+
+    def take_load_errors(self) -> set[int]:
+        """The destination block ids of the failed loads answered since the last call, each once.
+        A block is handed out no earlier than the collection that answered its job, so the
+        scheduler still sees the request waiting for that load when the ids arrive."""
+        ...
+
+
+@runtime_checkable
+class LoadErrorListener(Protocol):
+    """An offloading manager that wants to hear of failed loads before their jobs complete.
+
+    Caller and thread: the connector (memkv_vllm.vllm.connector, scheduler side), on the scheduler
+    thread, when workers' load errors arrive, before it completes the jobs they belong to.
+    Failures: never raises.
+    """
+
+    def on_load_errors(self) -> None:
+        """Some of the loads in flight failed: stop answering HIT for what they were loading, so
+        the recomputed requests do not look the same chunks up, load them and fail again."""
         ...

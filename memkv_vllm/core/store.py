@@ -1,11 +1,13 @@
-"""`BlockStore`: the memkv implementation of `memkv_vllm.core.interface.Offloader`.
+"""`BlockStore`: the memkv implementation of `memkv_vllm.core.interface.Offloader` (and of
+`DirectOffloader`, what direct mode adds to it).
 
 The contract (callers, threads, post-conditions, failures) is written down in interface.py; this
 module only adds how memkv meets it:
 
 * Lookups answer from a bounded verdict cache (`max_verdicts`, oldest entries go first); unknown
   keys are queued and `flush_lookups()` sends them as ONE `submit_exists` with a server lease, so
-  a hit survives until its load. Verdicts expire (`hit_ttl_s`, `miss_ttl_s`).
+  a hit survives until its load. Verdicts expire (`hit_ttl_s`, `miss_ttl_s`). `renew_leases`
+  sends the same probe again for keys about to load; its answers are read at the next flush.
 * Jobs are cut into client calls of `blocks_per_op` keys, run on separate load and store thread
   pools, so a store backlog never delays a load. Data goes straight between registered caller
   memory and the cluster (no Python copies).
@@ -57,7 +59,7 @@ class _Buffer:
 
 
 @attrs.define(eq=False)
-class _Job:
+class _TransferJob:
     job_id: int
     is_load: bool
     keys: list[bytes]
@@ -101,8 +103,9 @@ class BlockStore:
         self._queued: dict[bytes, None] = {}  # keys to probe at the next flush (ordered set)
         self._probing: dict[bytes, _Probe] = {}
         self._probes: list[_Probe] = []
+        self._renewals: list[tuple[Any, list[bytes]]] = []  # (lease-renewing probe, its keys)
         self._buffers: dict[int, _Buffer] = {}
-        self._done: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[_TransferJob] = queue.SimpleQueue()
         self._ready: list[tuple[Completion, list[_Buffer]]] = []  # finished without I/O
         self._store_backlog = 0
         self._store_bytes_by_job: dict[int, int] = {}
@@ -110,9 +113,9 @@ class BlockStore:
         self._cv = threading.Condition()
         self._stats: collections.Counter[str] = collections.Counter()
         self._closed = False
-        self._load_q: queue.SimpleQueue[tuple[_Job, int, int] | None] = queue.SimpleQueue()
+        self._load_q: queue.SimpleQueue[tuple[_TransferJob, int, int] | None] = queue.SimpleQueue()
         # store threads also delete values found unusable (a list of keys)
-        self._store_q: queue.SimpleQueue[tuple[_Job, int, int] | list[bytes] | None] = (
+        self._store_q: queue.SimpleQueue[tuple[_TransferJob, int, int] | list[bytes] | None] = (
             queue.SimpleQueue())
         self._threads = [
             threading.Thread(target=self._io_loop, args=(self._load_q, True),
@@ -194,6 +197,7 @@ class BlockStore:
     def flush_lookups(self) -> None:
         now = self._clock()
         self._harvest(now)
+        self._harvest_renewals()
         if not self._queued:
             return
         keys = list(self._queued)
@@ -217,9 +221,42 @@ class BlockStore:
             self._probing[k] = probe
 
     def mark_missing(self, keys: Sequence[bytes]) -> None:
-        """Answer MISS for `keys` (for `failed_load_miss_ttl_s`): the owner learned that the
-        cluster lost them, e.g. from a lease renewal that did not find them."""
+        """MISS for `failed_load_miss_ttl_s` (see `DirectOffloader.mark_missing`)."""
         self._mark_missing(keys)
+
+    def renew_leases(self, keys: Sequence[bytes]) -> None:
+        """One probe with the lookup lease (see `DirectOffloader.renew_leases`)."""
+        if self._client is None or self.options.lookup_lease_ms <= 0 or not keys:
+            return
+        keys = list(keys)
+        try:
+            op = self._client.submit_exists(keys, lease_ms=self.options.lookup_lease_ms)
+        except Exception as e:  # the load may still succeed: the lookup's lease may hold
+            logger.warning("memkv: renewing the leases of %d values failed: %s", len(keys), e)
+            return
+        self._stats["lease_renewals"] += len(keys)
+        self._renewals.append((op, keys))
+
+    def _harvest_renewals(self) -> None:
+        """A renewal that did not find a value means its load will fail: later lookups of that
+        key should miss instead of leading to the same failed load."""
+        still_open = []
+        for op, keys in self._renewals:
+            try:
+                if not op.done():
+                    still_open.append((op, keys))
+                    continue
+                codes = op.wait(0)
+            except Exception as e:
+                logger.warning("memkv: lease renewal failed: %s", e)
+                codes = None
+            if codes is None or len(codes) != len(keys):
+                lost = keys
+            else:
+                lost = [k for k, c in zip(keys, codes, strict=True) if not Status.is_ok(c)]
+            self._stats["lease_renewals_lost"] += len(lost)
+            self._mark_missing(lost)
+        self._renewals = still_open
 
     def _mark_missing(self, keys: Sequence[bytes]) -> None:
         exp = self._clock() + self.options.failed_load_miss_ttl_s
@@ -266,7 +303,7 @@ class BlockStore:
         self._probes = keep
 
     def has_pending_lookups(self) -> bool:
-        return bool(self._queued or self._probes)
+        return bool(self._queued or self._probes or self._renewals)
 
     # ----------------------------------------------------------------------------- transfers
     def submit_load(self, job_id: int, keys: Sequence[bytes], ptrs: Sequence[int],
@@ -294,7 +331,7 @@ class BlockStore:
                      [sizes[i] for i in todo], [bufs[i] for i in todo], skipped)
 
     def known_hit(self, key: bytes) -> bool:
-        """Is `key` known to be in the cluster (an unexpired HIT verdict)? Never probes."""
+        """An unexpired HIT verdict (see `DirectOffloader.known_hit`)."""
         return self._known_hit(key, self._clock())
 
     def _known_hit(self, key: bytes, now: float) -> bool:
@@ -309,7 +346,7 @@ class BlockStore:
         buffers = list({id(b): b for b in per_range if b is not None}.values())
         for b in buffers:
             b.jobs += 1
-        job = _Job(job_id, is_load, keys, ptrs, sizes, buffers, self._clock(), skipped)
+        job = _TransferJob(job_id, is_load, keys, ptrs, sizes, buffers, self._clock(), skipped)
         job.statuses = [Status.UNAVAILABLE] * len(job.keys)
         self._stats["load_jobs" if is_load else "store_jobs"] += 1
         n = len(job.keys)
@@ -383,7 +420,7 @@ class BlockStore:
                 b.jobs -= 1
         return [c for c, _ in finished]
 
-    def _complete(self, job: _Job, now: float) -> tuple[Completion, list[_Buffer]]:
+    def _complete(self, job: _TransferJob, now: float) -> tuple[Completion, list[_Buffer]]:
         ok = [Status.is_ok(s) for s in job.statuses]
         ok_keys = [k for k, good in zip(job.keys, ok, strict=True) if good]
         failed = [k for k, good in zip(job.keys, ok, strict=True) if not good]
@@ -429,9 +466,7 @@ class BlockStore:
         return True
 
     def wait_any(self, timeout: float) -> bool:
-        """BLOCKING: wait until some job has finished that `poll` has not returned yet, at most
-        `timeout` seconds (real time). True if one has. For owners that also wait on other work
-        (e.g. device copies) and cannot block in `drain` until every job is done."""
+        """BLOCKING, any thread (see `DirectOffloader.wait_any`); `timeout` in real time."""
         deadline = time.monotonic() + timeout
         with self._cv:
             while not (self._ready or not self._done.empty()):

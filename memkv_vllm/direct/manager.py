@@ -1,12 +1,13 @@
 """Scheduler side of direct mode: which chunks the cluster holds, and which to load and store.
 
 A chunk (vLLM's OffloadKey: block hash + KV-cache group) is stored as one value per TP rank, so
-it is a hit only when every rank's value is. Lookups go through a `BlockStore`: unknown keys are
-probed in one batch per scheduler step (`on_schedule_end`), each probe leases the hits it finds
-on the server, and verdicts are cached (`memkv_lookup_hit_ttl` / `memkv_lookup_miss_ttl`).
-`prepare_load` leases the chunk's values again, so a hit answered from the verdict cache (older
-than its lease) is still pinned until the worker's GET, which releases the lease; a value that
-renewal does not find turns the chunk into a miss for later lookups.
+it is a hit only when every rank's value is. Lookups go through a `DirectOffloader` (the block
+store): unknown keys are probed in one batch per scheduler step (`on_schedule_end`), each probe
+leases the hits it finds on the server, and verdicts are cached (`memkv_lookup_hit_ttl` /
+`memkv_lookup_miss_ttl`). `prepare_load` has the store renew the chunk's leases, so a hit answered
+from the verdict cache (older than its lease) is still pinned until the worker's GET, which
+releases the lease; a value that renewal does not find turns the chunk into a miss for later
+lookups.
 
 Stores: the manager only decides what to store (not what is present or in flight) and remembers
 what its workers stored. A completed store does not make lookups answer HIT by itself: a rank's
@@ -20,16 +21,12 @@ keys arrive as bytes and `split` (from compat) turns an OffloadKey into (block h
 from __future__ import annotations
 
 import collections
-import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
-from memkv_vllm.core.interface import Lookup, Status
-from memkv_vllm.core.store import BlockStore
+from memkv_vllm.core.interface import DirectOffloader, Lookup
+from memkv_vllm.core.request_lookups import RequestLookups
 from memkv_vllm.direct.keys import key_under
-
-logger = logging.getLogger("vllm.memkv_direct")
 
 _MAX_REMEMBERED = 1 << 18
 
@@ -62,21 +59,18 @@ class _Expiring:
 class DirectManager:
     """The direct-mode OffloadingManager's logic (see the module doc)."""
 
-    def __init__(self, store: BlockStore, prefix: bytes, tp_size: int,
-                 split: Callable[[bytes], tuple[bytes, int]], *, lease_client: Any = None,
-                 lease_ms: int = 0, stored_ttl_s: float = 30.0,
+    def __init__(self, store: DirectOffloader, prefix: bytes, tp_size: int,
+                 split: Callable[[bytes], tuple[bytes, int]], *, stored_ttl_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if tp_size < 1:
             raise ValueError(f"tp_size={tp_size}")
         self.store, self.prefix, self.tp_size = store, prefix, tp_size
         self._split = split
-        self._lease_client, self._lease_ms = lease_client, lease_ms
         self._stored_ttl = stored_ttl_s
         self._stored = _Expiring(clock)  # chunks this engine stored recently
         self._storing: collections.Counter[bytes] = collections.Counter()  # chunk -> jobs
         self._loading: collections.Counter[bytes] = collections.Counter()
-        self._lease_ops: list[tuple[Any, list[bytes]]] = []  # (EXISTS op, its keys)
-        self._asked: dict[str, list[bytes]] = {}  # request id -> remote keys waiting for a probe
+        self._lookups = RequestLookups(store)
         self.stored_events: list[list[bytes]] = []  # chunks stored since take_stored()
 
     def remote_keys(self, key: bytes) -> list[bytes]:
@@ -88,44 +82,15 @@ class DirectManager:
     def lookup(self, key: bytes, req_id: str) -> Lookup:
         pending = False
         for rk in self.remote_keys(key):
-            v = self.store.lookup(rk)
+            v = self._lookups.lookup(rk, req_id)
             if v is Lookup.MISS:
                 return Lookup.MISS
-            if v is Lookup.PENDING:
-                pending = True
-                self._asked.setdefault(req_id, []).append(rk)
+            pending = pending or v is Lookup.PENDING
         return Lookup.PENDING if pending else Lookup.HIT
 
     def on_schedule_end(self, preempted_req_ids: Iterable[str] = ()) -> None:
-        """Send this step's probes as one batch; forget finished lease refreshes."""
-        asked, self._asked = self._asked, {}
-        preempted = set(preempted_req_ids) & set(asked)
-        if preempted:
-            # A preempted request starts over: probing for it is wasted unless another asks too.
-            keep = {k for rid, ks in asked.items() if rid not in preempted for k in ks}
-            self.store.cancel_lookups([k for rid in preempted for k in asked[rid]
-                                       if k not in keep])
-        self.store.flush_lookups()
-        self._harvest_leases()
-
-    def _harvest_leases(self) -> None:
-        """A renewal that did not find a value means its load will fail: later lookups of that
-        chunk should miss instead of leading to the same failed load."""
-        open_ops = []
-        for op, rkeys in self._lease_ops:
-            if not op.done():
-                open_ops.append((op, rkeys))
-                continue
-            try:
-                codes = op.wait(0)
-            except Exception as e:
-                logger.warning("memkv direct: lease renewal failed: %s", e)
-                codes = None
-            lost = [k for k, c in zip(rkeys, codes or b"", strict=False)
-                    if not Status.is_ok(c)] if codes is not None else list(rkeys)
-            if lost:
-                self.store.mark_missing(lost)
-        self._lease_ops = open_ops
+        """Send this step's probes as one batch (the store reads finished lease renewals)."""
+        self._lookups.end_step(preempted_req_ids)
 
     # ------------------------------------------------------------------ loads
     def prepare_load(self, keys: Sequence[bytes]) -> list[tuple[bytes, int]]:
@@ -133,14 +98,7 @@ class DirectManager:
         out = [self._split(k) for k in keys]
         for k in keys:
             self._loading[k] += 1
-        if self._lease_client is not None and self._lease_ms > 0 and keys:
-            rkeys = [rk for k in keys for rk in self.remote_keys(k)]
-            try:
-                self._lease_ops.append(
-                    (self._lease_client.submit_exists(rkeys, self._lease_ms), rkeys))
-            except Exception as e:  # the load may still succeed: the lookup's lease may hold
-                logger.warning("memkv direct: renewing the leases of %d values failed: %s",
-                               len(rkeys), e)
+        self.store.renew_leases([rk for k in keys for rk in self.remote_keys(k)])
         return out
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
@@ -189,15 +147,14 @@ class DirectManager:
 
     # ------------------------------------------------------------------ state
     def has_pending_work(self) -> bool:
-        return bool(self._storing or self._loading or self._lease_ops
-                    or self.store.has_pending_lookups())
+        return bool(self._storing or self._loading or self.store.has_pending_lookups())
 
     def reset_cache(self) -> None:
         """vLLM flushed every job and will ignore their completions: forget them."""
         self._storing.clear()
         self._loading.clear()
         self._stored.clear()
-        self._asked.clear()
+        self._lookups.clear()
 
     def stats(self) -> dict[str, int]:
         return self.store.stats()

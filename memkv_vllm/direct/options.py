@@ -17,9 +17,9 @@ from typing import Any
 import attrs
 
 from memkv_vllm.core.config import CONFIG_KEYS, ConfigError
+from memkv_vllm.offload.movers import MEDIUMS
 
 _SOURCE = "kv_connector_extra_config"
-MEDIUMS = ("auto", "host", "gpu")
 
 
 @attrs.frozen

@@ -8,17 +8,16 @@ way). Each chunk is one value of this rank: `key_under(prefix, hash, group, rank
 
 Contracts with vLLM's OffloadingConnector, all kept here:
 * `submit_*` never block and never raise (a malformed job is logged and finishes failed);
-* `get_finished` answers every job exactly once;
+* `get_finished` answers every job exactly once, as a `FinishedJob`: plain facts, the blocks it
+  did not move included;
 * `wait` returns once the listed jobs no longer touch their blocks (stores copied out, loads
   written), jumping them ahead of queued work; after `wait_timeout_s` it gives them up
   (`KVOffloader.abandon`): a load then writes none of its blocks and counts as failed;
-* a store finishes when its values are committed in the cluster (or failed: a missing value
-  costs a later miss, nothing else, so a store always reports success);
-* a load that did not write all of its blocks is a FAILED load. With `recompute_failed_loads`
-  (set by a connector that reports `take_failed_block_ids()` to vLLM as blocks with load errors)
-  it reports success and vLLM recomputes those blocks. Without it (vLLM's stock
-  OffloadingConnector has no such path) it reports failure, which stops the engine: serving
-  tokens computed from KV that was never loaded would be worse.
+* a store finishes when its values are committed in the cluster or failed (its failed blocks
+  cost a later miss, nothing else).
+
+What a failed load becomes for vLLM (a reported failure, or a success whose blocks vLLM
+recomputes) is not decided here but by `memkv_vllm.direct.load_failures.LoadFailurePolicy`.
 
 Threads: vLLM's worker thread only. No vLLM imports.
 """
@@ -32,22 +31,28 @@ import attrs
 
 from memkv_vllm.direct.keys import key_under
 from memkv_vllm.offload import Entry, KVOffloader
+from memkv_vllm.offload.paged import chunks_spanned
 
 logger = logging.getLogger("vllm.memkv_direct")
 
 
 @attrs.frozen
-class Finished:
-    """One job's answer for vLLM's TransferResult."""
+class FinishedJob:
+    """One job's answer, returned once by `DirectWorker.get_finished`."""
 
     job_id: int
-    success: bool
-    nbytes: int
+    is_load: bool
+    # Loads: destination blocks NOT written (their KV is what it was). Stores: blocks whose values
+    # are not in the cluster.
+    failed_block_ids: frozenset[int]
+    nbytes: int  # value bytes that transferred
     seconds: float
+    # The job could not be read, so which blocks it names is unknown (a load wrote none of them).
+    unreadable: bool = False
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    @property
+    def failed(self) -> bool:
+        return self.unreadable or bool(self.failed_block_ids)
 
 
 def job_entries(block_ids: Sequence[int], group_sizes: Sequence[int],
@@ -66,7 +71,7 @@ def job_entries(block_ids: Sequence[int], group_sizes: Sequence[int],
         blocks = [int(x) for x in block_ids[b:b + n]]
         if len(blocks) != n:
             raise ValueError(f"group {g}: {n} blocks named, {len(blocks)} given")
-        for j in range(_cdiv(n + skip, blocks_per_chunk)):
+        for j in range(chunks_spanned(skip, n, blocks_per_chunk)):
             if c >= len(chunks):
                 raise ValueError(f"group {g} needs more chunks than the job's {len(chunks)}")
             lo = max(0, j * blocks_per_chunk - skip)
@@ -90,9 +95,7 @@ class DirectWorker:
         self.offloader, self.prefix, self.rank = offloader, prefix, rank
         self.bpc = blocks_per_chunk
         self.wait_timeout_s = wait_timeout_s
-        self.recompute_failed_loads = False
-        self._failed_blocks: set[int] = set()
-        self._ready: list[Finished] = []  # decided at submit time
+        self._ready: list[FinishedJob] = []  # decided at submit time
         self._skipped_partial = 0
 
     # ------------------------------------------------------------------ jobs
@@ -121,46 +124,28 @@ class DirectWorker:
             logger.exception("memkv direct: load job %d not started", job_id)
             self.answer_unstarted(job_id, is_load=True, block_ids=block_ids)
 
-    def answer_unstarted(self, job_id: int, *, is_load: bool, block_ids: Iterable[int]) -> None:
-        """Answer a job that could not start: a store as done (nothing stored), a load as
-        failed for all of `block_ids`."""
-        if is_load:
-            self._ready.append(self._load_failed(job_id, [int(b) for b in block_ids], 0, 0.0))
-        else:
-            self._ready.append(Finished(job_id, True, 0, 0.0))
+    def answer_unstarted(self, job_id: int, *, is_load: bool,
+                         block_ids: Iterable[int] | None) -> None:
+        """Answer a job that could not start: it moved nothing, and all of `block_ids` failed
+        (None: the job could not be read, its blocks are unknown)."""
+        failed = frozenset() if block_ids is None else frozenset(int(b) for b in block_ids)
+        self._ready.append(FinishedJob(job_id, is_load, failed, 0, 0.0,
+                                       unreadable=block_ids is None))
 
-    def _load_failed(self, job_id: int, blocks: Iterable[int], nbytes: int,
-                     seconds: float) -> Finished:
-        blocks = sorted(set(blocks))
-        if self.recompute_failed_loads:
-            logger.warning("memkv direct: load job %d failed for %d block(s); vLLM recomputes "
-                           "them", job_id, len(blocks))
-            self._failed_blocks.update(blocks)
-            return Finished(job_id, True, nbytes, seconds)
-        logger.error(
-            "memkv direct: load job %d failed for %d block(s) and vLLM's OffloadingConnector has "
-            "no way to recompute them; reporting the failed transfer (vLLM stops the engine "
-            "rather than generate from KV that was never loaded). Select the recompute "
-            "connector in --kv-transfer-config to recompute instead.", job_id, len(blocks))
-        return Finished(job_id, False, nbytes, seconds)
-
-    def get_finished(self) -> list[Finished]:
+    def get_finished(self) -> list[FinishedJob]:
         out, self._ready = self._ready, []
         for r in self.offloader.poll():
-            if r.is_load and r.failed_block_ids:
-                out.append(self._load_failed(r.job_id, r.failed_block_ids, r.nbytes, r.seconds))
-                continue
             if not r.is_load and r.failed_block_ids:
                 logger.debug("memkv direct: store job %d: %d block(s) not stored", r.job_id,
                              len(r.failed_block_ids))
-            out.append(Finished(r.job_id, True, r.nbytes, r.seconds))
+            out.append(FinishedJob(r.job_id, r.is_load, frozenset(r.failed_block_ids), r.nbytes,
+                                   r.seconds))
         return out
 
-    def take_failed_block_ids(self) -> set[int]:
-        """Blocks of this worker's KV tensors whose load failed since the last call (for a
-        connector that reports them to vLLM as load errors)."""
-        out, self._failed_blocks = self._failed_blocks, set()
-        return out
+    def prioritize(self, job_ids: Iterable[int]) -> None:
+        """Move the jobs ahead of queued work without waiting for them (a load the engine will
+        wait for before this step's forward pass)."""
+        self.offloader.prioritize(list(job_ids))
 
     def wait(self, job_ids: Iterable[int]) -> None:
         ids = list(job_ids)

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from memkv_vllm.offload.cuda_driver import cuda_driver
 from memkv_vllm.offload.paged import Entry, PagedKV
 
 MEDIUMS = ("auto", "host", "gpu")
@@ -205,7 +206,7 @@ _batch_fn: Any = None
 def _batch_memcpy() -> Any:
     global _batch_fn
     if _batch_fn is None:
-        lib = ctypes.CDLL("libcuda.so.1")
+        lib = cuda_driver()
         get = lib.cuGetProcAddress_v2
         get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
                         ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)]

@@ -40,8 +40,7 @@ from typing import Any
 
 import attrs
 
-from memkv_vllm.core.interface import Completion
-from memkv_vllm.core.store import BlockStore
+from memkv_vllm.core.interface import Completion, DirectOffloader
 from memkv_vllm.offload.movers import Fence, make_mover
 from memkv_vllm.offload.paged import Entry, PagedKV
 
@@ -111,7 +110,7 @@ class KVOffloader:
       their only caller and may block in them without blocking the lock.
     """
 
-    def __init__(self, kv: PagedKV, store: BlockStore, medium: str = "auto",
+    def __init__(self, kv: PagedKV, store: DirectOffloader, medium: str = "auto",
                  scratch_bytes: int = 256 << 20, batch_values: int = 4,
                  clock: Callable[[], float] = time.monotonic, copy_method: str = "auto",
                  copy_programs: int = 32, device_io: bool = False) -> None:

@@ -8,6 +8,8 @@ CanonicalKVCaches already has. A value holds `blocks_per_value` consecutive bloc
 laid out ref-major: for each ref in order, its bytes of sub-block 0, 1, ... (no padding).
 
 Only addresses are computed here (numpy, vectorised); moving the bytes is movers.py's job.
+`block_addresses` and `chunks_spanned` are the block arithmetic every copier of paged KV shares
+(this offloader, and the CPU-platform worker of vLLM's pool: memkv_vllm.vllm.cpu_worker).
 """
 
 from __future__ import annotations
@@ -17,6 +19,29 @@ from typing import Any
 
 import attrs
 import numpy as np
+
+
+def chunks_spanned(first_index: int, n_blocks: int, blocks_per_chunk: int) -> int:
+    """How many chunks of `blocks_per_chunk` blocks hold `n_blocks` consecutive blocks whose first
+    has index `first_index` in its group's sequence of blocks (a chunk holds the blocks of indices
+    k * blocks_per_chunk .. (k + 1) * blocks_per_chunk - 1, so the first chunk may be partial)."""
+    skip = first_index % blocks_per_chunk
+    return -(-(n_blocks + skip) // blocks_per_chunk)
+
+
+def block_addresses(base: int, pitch: int, rows: Any, first: int = 0, count: int | None = None,
+                    per_row: int = 1, sub_pitch: int = 0) -> np.ndarray:
+    """Addresses (uint64) of `count` consecutive blocks, from block `first` on, of the rows `rows`
+    of a tensor at `base` whose rows lie `pitch` bytes apart, each row holding `per_row` blocks
+    `sub_pitch` bytes apart: block s lies in row rows[s // per_row], (s % per_row) * sub_pitch
+    bytes in. A paged KV tensor holds one block per row (block id = row); vLLM's CPU pool one
+    chunk per row. `count` defaults to every block of `rows` after `first`; rows must be >= 0."""
+    rows = np.asarray(rows, dtype=np.uint64)
+    n = len(rows) * per_row - first if count is None else count
+    sub = np.arange(first, first + n, dtype=np.uint64)
+    per = np.uint64(per_row)
+    return (np.uint64(base) + rows[sub // per] * np.uint64(pitch)
+            + (sub % per) * np.uint64(sub_pitch))
 
 
 @attrs.frozen
@@ -124,7 +149,7 @@ class PagedKV:
                                            dtype=np.uint64) for i in idx])
             for r, off in zip(self.groups[g], self._ref_offsets[g], strict=True):
                 nb = np.uint64(r.nbytes)
-                kv.append(np.uint64(self.base[r.tensor]) + blk * np.uint64(self.pitch[r.tensor]))
+                kv.append(block_addresses(self.base[r.tensor], self.pitch[r.tensor], blk))
                 val.append(slot + off + pos * nb)
                 size.append(np.full(len(blk), nb, dtype=np.uint64))
         return np.concatenate(kv), np.concatenate(val), np.concatenate(size)

@@ -6,14 +6,13 @@ Offloading is currently only supported on CUDA-alike and XPU GPUs"). On the CPU 
 engine's KV cache is ordinary host memory, so a memmove between KV blocks and the pool's shared
 region is the whole transfer.
 
-What: `CPUPlatformTieringOffloadingSpec` keeps everything of upstream's TieringOffloadingSpec
-(scheduler-side manager, CPU primary tier, secondary tiers, metrics) and only replaces
-`get_worker()`; it derives from shm_region's spec, whose scheduler drops the pool's /dev/shm name.
-`install()` (called from register() in every vLLM process) points the built-in spec name
-"TieringOffloadingSpec" at it on the CPU platform, and at shm_region's spec on other platforms.
-The pointer math follows upstream's GPU copy handler (SingleDirectionOffloadingHandler):
-group-major GPU blocks, partial first chunks, several KV groups, blocks_per_chunk > 1.
-Every vLLM class and attribute name used here comes through `compat.api()`.
+What: `cpu_platform_worker()` is the worker `MemKVTieringOffloadingSpec` (tiering_spec.py) builds
+on the CPU platform instead of upstream's; everything else of vLLM's TieringOffloadingSpec
+(scheduler-side manager, CPU primary tier, secondary tiers, metrics) stays. A job names its KV
+blocks group-major, each group's first chunk possibly partial, with blocks_per_chunk blocks per
+pool row; the addresses come from the block arithmetic the direct-mode offloader uses too
+(memkv_vllm.offload.paged). Every vLLM class and attribute name used here comes through
+`compat.api()`.
 
 Copies run on the worker's own thread, off the engine step, as upstream's run on their own CUDA
 stream: `submit_*` (the engine thread, inside the step) checks a job and computes its addresses,
@@ -40,16 +39,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from memkv_vllm.offload.paged import block_addresses, chunks_spanned
 from memkv_vllm.vllm.compat import api
-from memkv_vllm.vllm.shm_region import forget_dropped_name, tiering_spec_class
+from memkv_vllm.vllm.shm_region import forget_dropped_name
 
 logger = logging.getLogger("vllm.memkv_cpu_worker")
 
 _memmove = ctypes.memmove
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class _Side:
@@ -64,15 +60,14 @@ class _Side:
 
     def ptrs(self, t_idx: int, rows: np.ndarray, skip: int, n: int) -> np.ndarray:
         """Addresses of `n` consecutive sub-blocks of tensor `t_idx`, starting `skip` sub-blocks
-        into the first of `rows` (int64: addresses stay far below 2**63)."""
+        into the first of `rows`."""
         if int(rows.min(initial=0)) < 0 or int(rows.max(initial=0)) >= self.rows[t_idx]:
             raise IndexError(f"block id out of range for tensor {t_idx}")
-        sub = np.arange(skip, skip + n, dtype=np.int64)
-        offsets = rows[sub // self.bpc] * self.strides[t_idx] + (sub % self.bpc) * self.pages[t_idx]
-        return self.bases[t_idx] + offsets
+        return block_addresses(self.bases[t_idx], self.strides[t_idx], rows, skip, n, self.bpc,
+                               self.pages[t_idx])
 
 
-class _Job(NamedTuple):
+class _CopyJob(NamedTuple):
     """One queued transfer: copy sizes[i] bytes from srcs[i] to dsts[i], for every i."""
 
     job_id: int
@@ -103,7 +98,7 @@ class ThreadedCopyWorker:
         self._pool = _Side(pool, pages, blocks_per_chunk)
         self._keep = (dev, pool)  # the views must outlive every copy
         self._cond = threading.Condition()
-        self._queue: collections.deque[_Job] = collections.deque()
+        self._queue: collections.deque[_CopyJob] = collections.deque()
         self._in_flight: set[int] = set()  # submitted, not yet copied
         self._finished: list[Any] = []  # results not yet handed to get_finished()
         self._stopping = False
@@ -113,7 +108,7 @@ class ThreadedCopyWorker:
         logger.info("memkv CPU-platform offload worker: %d KV tensors, blocks_per_chunk=%d",
                     len(dev), blocks_per_chunk)
 
-    def _plan(self, to_pool: bool, job_id: int, src_spec: Any, dst_spec: Any) -> _Job:
+    def _plan(self, to_pool: bool, job_id: int, src_spec: Any, dst_spec: Any) -> _CopyJob:
         """The job's copies; ValueError/IndexError (nothing queued) when its geometry does not
         fit the registered KV caches and pool."""
         a = api()
@@ -136,8 +131,8 @@ class ThreadedCopyWorker:
             if gs < 0:
                 raise ValueError(f"job {job_id}: group size {gs}")
             s_skip, d_skip = bidx % src_side.bpc, bidx % dst_side.bpc
-            s_end = s_off + _cdiv(gs + s_skip, src_side.bpc)
-            d_end = d_off + _cdiv(gs + d_skip, dst_side.bpc)
+            s_end = s_off + chunks_spanned(bidx, gs, src_side.bpc)
+            d_end = d_off + chunks_spanned(bidx, gs, dst_side.bpc)
             if s_end > len(src_ids) or d_end > len(dst_ids):
                 raise ValueError(f"job {job_id}: geometry does not match its block lists")
             for t_idx, size in refs:
@@ -150,8 +145,8 @@ class ThreadedCopyWorker:
             raise ValueError(f"job {job_id}: block lists are longer than its groups")
         if not sizes:
             empty = np.zeros(0, dtype=np.int64)
-            return _Job(job_id, empty, empty, empty, 0)
-        return _Job(job_id, np.concatenate(srcs), np.concatenate(dsts), np.concatenate(sizes),
+            return _CopyJob(job_id, empty, empty, empty, 0)
+        return _CopyJob(job_id, np.concatenate(srcs), np.concatenate(dsts), np.concatenate(sizes),
                     nbytes)
 
     def copy(self, to_pool: bool, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
@@ -227,50 +222,16 @@ class ThreadedCopyWorker:
             region.cleanup()
 
 
-_installed_cls: type | None = None
-
-
-def cpu_tiering_spec_class() -> type:
-    """TieringOffloadingSpec with the CPU-platform worker (built lazily: imports vLLM)."""
-    global _installed_cls
-    if _installed_cls is None:
-        a = api()
-        worker_cls = a.offloading_worker_class(ThreadedCopyWorker)
-
-        class CPUPlatformTieringOffloadingSpec(tiering_spec_class()):  # type: ignore[misc]  # base made by compat
-            """Upstream TieringOffloadingSpec whose worker runs on vLLM's CPU platform."""
-
-            def get_worker(self, kv_caches: Any) -> Any:
-                w = getattr(self, "_memkv_cpu_worker", None)
-                if w is None:
-                    a = api()
-                    if a.uses_canonical_layout(self):
-                        raise RuntimeError("memkv CPU worker: canonical_layout is not supported")
-                    region = a.open_worker_region(self, a.worker_rank(self))
-                    try:
-                        w = worker_cls(kv_caches, a.blocks_per_chunk(self), region)
-                    except Exception:
-                        region.cleanup()
-                        raise
-                    self._memkv_cpu_worker = w
-                return w
-
-        _installed_cls = CPUPlatformTieringOffloadingSpec
-    return _installed_cls
-
-
-def install() -> bool:
-    """Serve "TieringOffloadingSpec" with the CPU-platform worker on the CPU platform, and with
-    upstream's worker but a pool that loses its /dev/shm name early on the others.
-
-    Returns True if installed now or before. Never raises.
-    """
+def cpu_platform_worker(spec: Any, kv_caches: Any) -> Any:
+    """The OffloadingWorker of a tiering spec on vLLM's CPU platform: a ThreadedCopyWorker over
+    this worker's area of the CPU pool's shared region, which it owns from now on."""
+    a = api()
+    if a.uses_canonical_layout(spec):
+        raise RuntimeError("memkv CPU worker: canonical_layout is not supported")
+    region = a.open_worker_region(spec, a.worker_rank(spec))
     try:
-        a = api()
-        spec = cpu_tiering_spec_class if a.is_cpu_platform() else tiering_spec_class
-        a.replace_builtin_spec("TieringOffloadingSpec", spec)
-        return True
-    except Exception as e:
-        logger.warning("memkv: TieringOffloadingSpec not replaced (the CPU platform's worker, "
-                       "the CPU pool's early /dev/shm unlink): %s", e)
-        return False
+        return a.offloading_worker_class(ThreadedCopyWorker)(kv_caches, a.blocks_per_chunk(spec),
+                                                             region)
+    except Exception:
+        region.cleanup()
+        raise

@@ -11,10 +11,9 @@ What: a mapping outlives its name. The engine core builds its scheduler only aft
 has registered its KV caches, so once the scheduler has mapped the region as a joiner (a worker
 created the file) every process that will map it has done so, and the name can go. The kernel
 then frees the pool when the last mapping goes, however the processes end. This is what vLLM's
-CPUOffloadingSpec does after its barrier. The helpers work on the region object's attributes
-(`mmap_path`, `fd`, `_creator`), which are the same in every vLLM generation the plugin supports;
-`tiering_spec_class()` applies them on every platform (the CPU platform's spec derives from it),
-reaching vLLM only through compat.
+CPUOffloadingSpec does after its barrier. `MemKVTieringOffloadingSpec` (tiering_spec.py) applies
+it; what a region object holds (its file, whether it created it) and the worker's shutdown come
+through compat.
 
 The ordering it relies on holds per host for every executor that builds one scheduler per engine
 after its workers (multiprocessing, Ray, in-process). Workers on other hosts of a multi-host engine
@@ -33,7 +32,7 @@ from memkv_vllm.vllm.compat import api
 logger = logging.getLogger("vllm.memkv_shm_region")
 
 
-def _names_our_file(fd: int, path: str) -> bool:
+def names_file(path: str, fd: int) -> bool:
     """True if `path` still names the file open as `fd` (not gone, not a newer file)."""
     try:
         named = os.stat(path)
@@ -43,18 +42,17 @@ def _names_our_file(fd: int, path: str) -> bool:
     return (named.st_dev, named.st_ino) == (ours.st_dev, ours.st_ino)
 
 
-def drop_name_after_last_mapping(region: Any) -> bool:
-    """Unlink the region's /dev/shm name; call where the last process maps it (the scheduler).
+def drop_name(path: str, fd: int, creator: bool) -> bool:
+    """Unlink `path`, the name of the file open as `fd`, where the last process maps it.
 
-    Does nothing unless this mapping joined a file another process created (so the workers were
-    first, as the engine core orders it) and the name still names that file. Returns True if the
+    Does nothing if this process created the file (`creator`: the workers, which map first, may
+    still have to find it by name) or if `path` no longer names that file. Returns True if the
     name was removed. Never raises: failing to unlink only keeps vLLM's own behaviour.
     """
-    path, fd = getattr(region, "mmap_path", None), getattr(region, "fd", None)
-    if path is None or fd is None or getattr(region, "_creator", True):
+    if creator:
         return False
     try:
-        if not _names_our_file(fd, path):
+        if not names_file(path, fd):
             return False
         os.unlink(path)
     except OSError as e:
@@ -65,59 +63,45 @@ def drop_name_after_last_mapping(region: Any) -> bool:
     return True
 
 
-def forget_dropped_name(region: Any) -> None:
-    """Before the creating process's cleanup(): if the name is gone or names another file now,
-    stop cleanup() from unlinking it (that would log a failure, or remove the region of a newer
-    engine that reuses the engine id)."""
-    path, fd = getattr(region, "mmap_path", None), getattr(region, "fd", None)
-    if not getattr(region, "_creator", False) or path is None or fd is None:
-        return
-    try:
-        if not _names_our_file(fd, path):
-            region._creator = False
-    except OSError:
-        region._creator = False
-
-
-def forget_dropped_name_at_shutdown(worker: Any, region: Any) -> None:
-    """Make `worker.shutdown()` call `forget_dropped_name(region)` before the shutdown that
-    cleans `region` up: vLLM's own CPU-pool worker owns its region and has no hook of its own."""
+def drop_pool_name(region: Any) -> bool:
+    """`drop_name` for the scheduler's mapping `region` of the CPU pool (None: not mapped yet)."""
     if region is None:
-        return
-    shutdown = worker.shutdown
-
-    def shutdown_keeping_newer_names() -> None:
-        forget_dropped_name(region)
-        shutdown()
-
-    worker.shutdown = shutdown_keeping_newer_names
-
-
-_spec_cls: type | None = None
+        return False
+    try:
+        file = api().pool_file(region)
+    except Exception as e:  # vLLM changed its region: keep vLLM's own behaviour, loudly
+        logger.warning("memkv: the CPU pool keeps its /dev/shm name until a clean shutdown: %s", e)
+        return False
+    return file is not None and drop_name(file.path, file.fd, file.creator)
 
 
-def tiering_spec_class() -> type:
-    """vLLM's TieringOffloadingSpec whose CPU pool loses its /dev/shm name once the scheduler
-    mapped it (every platform; built lazily, imports vLLM through compat)."""
-    global _spec_cls
-    if _spec_cls is None:
+def forget_dropped_name(region: Any) -> None:
+    """Before the creating process's `region.cleanup()`: if the name is gone or names another file
+    now, stop cleanup() from unlinking it (that would log a failure, or remove the region of a
+    newer engine that reuses the engine id). Never raises."""
+    a = api()
+    try:
+        file = a.pool_file(region)
+        if file is None or not file.creator:
+            return
+        try:
+            dropped = not names_file(file.path, file.fd)
+        except OSError:
+            dropped = True
+        if dropped:
+            a.keep_name_at_cleanup(region)
+    except Exception as e:
+        logger.warning("memkv: could not tell the CPU pool's clean-up that its name is gone: %s", e)
 
-        class NamelessPoolTieringOffloadingSpec(api().tiering_spec_class()):  # type: ignore[misc]  # base made by compat
-            """Upstream TieringOffloadingSpec; the scheduler drops the pool's name (module doc)."""
 
-            def get_manager(self) -> Any:
-                manager = super().get_manager()
-                # The scheduler maps the pool last: its name can go now.
-                drop_name_after_last_mapping(api().scheduler_region(self))
-                return manager
-
-            def get_worker(self, kv_caches: Any) -> Any:
-                fresh = getattr(self, "_memkv_worker_hooked", None) is None
-                worker = super().get_worker(kv_caches)
-                if fresh:
-                    forget_dropped_name_at_shutdown(worker, api().worker_pool_region(worker))
-                    self._memkv_worker_hooked = worker
-                return worker
-
-        _spec_cls = NamelessPoolTieringOffloadingSpec
-    return _spec_cls
+def forget_dropped_name_at_shutdown(worker: Any) -> None:
+    """Make vLLM's own CPU-pool worker run `forget_dropped_name` on the region it owns before its
+    shutdown cleans that region up (the worker has no hook of its own). Never raises."""
+    a = api()
+    try:
+        region = a.worker_pool_region(worker)
+        if region is not None:
+            a.call_before_shutdown(worker, lambda: forget_dropped_name(region))
+    except Exception as e:
+        logger.warning("memkv: the CPU pool worker's shutdown may unlink a newer engine's pool "
+                       "file of the same name: %s", e)

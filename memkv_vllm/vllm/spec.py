@@ -10,29 +10,35 @@ connection settings come from MEMKV_CONFIG / MEMKV_* (memkv_vllm.core.config).
 
 This module is the thin vLLM-facing shell: vLLM's objects become plain values through
 `compat.api()` and the work is done by memkv_vllm.direct (manager.py in the scheduler, worker.py
-in each worker, over memkv_vllm.offload.KVOffloader). vLLM constructs the spec in the scheduler
-and in every worker; the workers build theirs first (EngineCore initializes the KV caches before
-it makes the scheduler), each publishes its key prefix, and the scheduler's manager adopts the
-prefix they agree on (memkv_vllm.direct.prefixes).
+in each worker, over memkv_vllm.offload.KVOffloader); vLLM's results are built from the plain
+answers here, once, and what a failed load becomes is `LoadFailurePolicy`'s decision. The
+recompute connector (memkv_vllm.vllm.connector) meets the manager and the worker through
+`LoadErrorListener` and `LoadErrorReporter` (memkv_vllm.core.interface).
+
+vLLM constructs the spec in the scheduler and in every worker; the workers build theirs first
+(EngineCore initializes the KV caches before it makes the scheduler), each publishes its key
+prefix, and the scheduler's manager adopts the prefix they agree on (memkv_vllm.direct.prefixes).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 from collections.abc import Iterable
 from typing import Any
 
 from memkv_vllm.core.interface import Lookup
 from memkv_vllm.direct.cluster import connect
+from memkv_vllm.direct.load_failures import LoadFailurePolicy
 from memkv_vllm.direct.manager import DirectManager
 from memkv_vllm.direct.namespace import worker_layout
 from memkv_vllm.direct.options import DirectOptions, parse_options
 from memkv_vllm.direct.prefixes import PrefixBoard
-from memkv_vllm.direct.scratch import open_rank_io
+from memkv_vllm.direct.rank_io import open_rank_io
 from memkv_vllm.direct.worker import DirectWorker
 from memkv_vllm.offload import KVOffloader, KVRef, PagedKV
 from memkv_vllm.vllm.compat import api
+from memkv_vllm.vllm.metrics import StatsReporter, metric_definitions
+from memkv_vllm.vllm.scheduler_side import end_step, warn_if_block_hashes_differ
 
 logger = logging.getLogger("vllm.memkv_direct")  # under vLLM's logger so its handlers print it
 
@@ -40,7 +46,16 @@ _API = api()
 _BASES = _API.direct_base_classes()
 
 
-class MemKVLoadStoreSpec(_BASES.load_store_spec):  # type: ignore[name-defined]  # base made by compat
+def _close(client: Any) -> None:
+    """Close a shell's client (None: there is none) once its store stopped using it."""
+    if client is not None:
+        try:
+            client.close()
+        except Exception as e:
+            logger.warning("memkv direct: client close failed: %s", e)
+
+
+class MemKVLoadStoreSpec(_BASES.load_store_spec):  # type: ignore[misc,name-defined]
     """The cluster side of one job: its chunks (block hash, key group) in job order. Crosses
     from the scheduler to the workers by pickle, so it holds plain values only."""
 
@@ -48,22 +63,24 @@ class MemKVLoadStoreSpec(_BASES.load_store_spec):  # type: ignore[name-defined] 
         self.chunks = tuple((bytes(h), int(g)) for h, g in chunks)
 
     @staticmethod
-    def medium() -> str:  # abstract on vLLM 0.25
+    def medium() -> str:  # abstract in the oldest generations
         return "memkv"
 
     def __repr__(self) -> str:
         return f"MemKVLoadStoreSpec({len(self.chunks)} chunks)"
 
 
-class MemKVOffloadingManager(_BASES.manager):  # type: ignore[name-defined]  # base made by compat
+class MemKVOffloadingManager(_BASES.manager):  # type: ignore[misc,name-defined]
     """Scheduler side: vLLM's OffloadingManager calls, answered by `DirectManager`. Runs on the
-    scheduler thread; nothing here raises into vLLM's hot path (a failing lookup is a miss)."""
+    scheduler thread; nothing here raises into vLLM's hot path (a failing lookup is a miss).
+    Implements `LoadErrorListener` for the recompute connector."""
 
-    def __init__(self, logic: DirectManager, kv_events: bool) -> None:
+    def __init__(self, logic: DirectManager, client: Any, kv_events: bool) -> None:
         self.logic = logic
+        self._client = client
         self._events = kv_events
         self._locality = _API.locality(None)
-        self._reported: collections.Counter[str] = collections.Counter()
+        self._stats = StatsReporter()
 
     def lookup(self, key: bytes, req_context: Any) -> Any:
         try:
@@ -74,20 +91,20 @@ class MemKVOffloadingManager(_BASES.manager):  # type: ignore[name-defined]  # b
             return _API.lookup_result(Lookup.MISS)
 
     def get_load_source(self, key: bytes, req_context: Any) -> Any:
-        return _API.direct_load_source()  # vLLM 0.32+ only
+        return _API.direct_load_source()  # only where vLLM asks a manager for it
 
     def prepare_load(self, keys: Any, req_context: Any) -> Any:
         return MemKVLoadStoreSpec(self.logic.prepare_load([bytes(k) for k in keys]))
 
     def touch(self, keys: Any, req_context: Any = None) -> None:
-        return None  # the cluster keeps its own recency; vLLM 0.31+ never calls this
+        return None  # the cluster keeps its own recency; newer vLLM never calls this
 
     def complete_load(self, keys: Any, req_context: Any = None) -> None:
         self.logic.complete_load([bytes(k) for k in keys])
 
     def on_load_errors(self) -> None:
-        """Called by memkv's recompute connector (memkv_vllm.connector) when workers reported
-        failed loads, before it completes their jobs."""
+        """`LoadErrorListener`: workers reported failed loads (to memkv's recompute connector),
+        whose jobs are not completed yet."""
         try:
             self.logic.on_load_errors()
         except Exception:
@@ -114,10 +131,7 @@ class MemKVOffloadingManager(_BASES.manager):  # type: ignore[name-defined]  # b
                 yield _API.offloading_event(keys, removed=False, locality=self._locality)
 
     def on_schedule_end(self, context: Any = None) -> None:
-        try:
-            self.logic.on_schedule_end(_API.preempted_request_ids(context))
-        except Exception:
-            logger.exception("memkv direct: flushing lookups failed")
+        end_step(self.logic.on_schedule_end, context, logger, "direct")
 
     def has_pending_work(self) -> bool:
         return self.logic.has_pending_work()
@@ -126,76 +140,74 @@ class MemKVOffloadingManager(_BASES.manager):  # type: ignore[name-defined]  # b
         self.logic.reset_cache()
 
     def get_stats(self) -> Any:
-        return _API.stats_since(self.logic.stats(), self._reported)
+        return self._stats.report(self.logic.stats())
 
     def shutdown(self) -> None:
         self.logic.shutdown()
+        _close(self._client)
+        self._client = None
 
 
-class MemKVOffloadingWorker(_BASES.worker):  # type: ignore[name-defined]  # base made by compat
+class MemKVOffloadingWorker(_BASES.worker):  # type: ignore[misc,name-defined]
     """Worker side: vLLM's OffloadingWorker calls, done by `DirectWorker`. Never blocks in
-    submit_*, never raises, answers every job once (see memkv_vllm.direct.worker)."""
+    submit_*, never raises, answers every job once (see memkv_vllm.direct.worker). Each job's
+    specs are read once, here; `LoadFailurePolicy` decides what a failed load is reported as, and
+    through it this worker implements `LoadErrorReporter` for the recompute connector."""
 
     def __init__(self, logic: DirectWorker, client: Any) -> None:
         self.logic = logic
+        self.load_failures = LoadFailurePolicy()
         self._client = client
 
-    @property
-    def recompute_failed_loads(self) -> bool:
-        """Set by a connector that reports `take_failed_block_ids()` to vLLM as load errors:
-        failed loads then report success and vLLM recomputes their blocks."""
-        return self.logic.recompute_failed_loads
+    def recompute_failed_loads(self) -> None:
+        self.load_failures.recompute_failed_loads()
 
-    @recompute_failed_loads.setter
-    def recompute_failed_loads(self, value: bool) -> None:
-        self.logic.recompute_failed_loads = bool(value)
+    def take_load_errors(self) -> set[int]:
+        return self.load_failures.take_load_errors()
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         try:
-            self.logic.submit_store(job_id, *_API.gpu_job(src_spec), dst_spec.chunks)
-        except Exception:  # DirectWorker answers its jobs; this guards the conversion only
-            logger.exception("memkv direct: store job %d malformed", job_id)
-            self.logic.answer_unstarted(job_id, is_load=False, block_ids=())
+            gpu, chunks = _API.gpu_job(src_spec), dst_spec.chunks
+        except Exception:  # DirectWorker answers its jobs; this guards the reading only
+            logger.exception("memkv direct: store job %d unreadable", job_id)
+            self.logic.answer_unstarted(job_id, is_load=False, block_ids=None)
+            return True
+        self.logic.submit_store(job_id, *gpu, chunks)
         return True
 
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any,
                     expedited: bool = False) -> bool:
         try:
-            self.logic.submit_load(job_id, *_API.gpu_job(dst_spec), src_spec.chunks)
+            gpu, chunks = _API.gpu_job(dst_spec), src_spec.chunks
         except Exception:
-            logger.exception("memkv direct: load job %d malformed", job_id)
-            self.logic.answer_unstarted(job_id, is_load=True,
-                                        block_ids=getattr(dst_spec, "block_ids", ()))
-        if expedited:  # vLLM 0.33: waited for before this step's forward pass
-            self.logic.offloader.prioritize([job_id])
+            logger.exception("memkv direct: load job %d unreadable", job_id)
+            self.logic.answer_unstarted(job_id, is_load=True, block_ids=None)
+            return True
+        self.logic.submit_load(job_id, *gpu, chunks)
+        if expedited:  # vLLM waits for it before this step's forward pass
+            self.logic.prioritize([job_id])
         return True
 
     def get_finished(self) -> list[Any]:
-        return [_API.transfer_result(f.job_id, f.nbytes, f.seconds, success=f.success)
+        return [_API.transfer_result(f.job_id, f.nbytes, f.seconds,
+                                     success=self.load_failures.success(f))
                 for f in self.logic.get_finished()]
 
     def wait(self, job_ids: set[int]) -> None:
         self.logic.wait(job_ids)
 
-    def take_failed_block_ids(self) -> set[int]:
-        """Blocks of this worker's KV tensors whose load failed since the last call."""
-        return self.logic.take_failed_block_ids()
-
     def shutdown(self) -> None:
         self.logic.shutdown()
-        if self._client is not None:
-            client, self._client = self._client, None
-            try:
-                client.close()
-            except Exception as e:
-                logger.warning("memkv direct: client close failed: %s", e)
+        _close(self._client)
+        self._client = None
 
 
-class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[name-defined]  # base made by compat
+class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[misc,name-defined]
     """vLLM offloading spec of direct mode (see the module doc)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)  # 0.25: (vllm_config, kv_cache_config); 0.26+: (config)
+        # (vllm_config, kv_cache_config) or (config), by generation: passed on as given.
+        super().__init__(*args, **kwargs)
         self.facts = _API.direct_facts(self)
         f = self.facts
         if f.pp_size != 1 or f.pcp_size != 1:
@@ -210,7 +222,7 @@ class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[name-defined]  # base ma
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        return _API.metric_definitions()
+        return metric_definitions()
 
     def _board(self, client: Any) -> PrefixBoard:
         return PrefixBoard(self.facts.engine_id, client, wait_s=self.options.prefix_wait_s)
@@ -218,20 +230,20 @@ class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[name-defined]  # base ma
     def get_manager(self) -> MemKVOffloadingManager:
         if self._manager is None:
             f, o = self.facts, self.options
-            store, client, cfg = connect(o.client_overrides, n_read_threads=1,
-                                         n_write_threads=1, hit_ttl_s=o.lookup_hit_ttl_s,
+            store, client, cfg = connect(o.client_overrides, n_read_threads=1, n_write_threads=1,
+                                         hit_ttl_s=o.lookup_hit_ttl_s,
                                          miss_ttl_s=o.lookup_miss_ttl_s)
-            prefix = self._board(client).adopt(f.world_size)  # a mismatch stops the engine
-            ok, why = _API.block_hashes_reproducible()
-            if not ok:
-                logger.warning("memkv direct: %s; other engines will compute other block hashes "
-                               "and never hit this engine's blocks (set PYTHONHASHSEED to the "
-                               "same value everywhere)", why)
+            try:
+                prefix = self._board(client).adopt(f.world_size)  # a mismatch stops the engine
+            except Exception:
+                store.close()
+                _close(client)
+                raise
+            warn_if_block_hashes_differ(logger, "direct")
             self._manager = MemKVOffloadingManager(
                 DirectManager(store, prefix, f.world_size, _API.split_offload_key,
-                              lease_client=None if client is None else client.codes,
-                              lease_ms=int(cfg.lease_ms), stored_ttl_s=o.lookup_hit_ttl_s),
-                kv_events=f.kv_events)
+                              stored_ttl_s=o.lookup_hit_ttl_s),
+                client, kv_events=f.kv_events)
             logger.info("memkv direct: scheduler adopted key prefix %s from %d worker(s); %s",
                         prefix.hex(), f.world_size, cfg.describe())
         return self._manager

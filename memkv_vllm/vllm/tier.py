@@ -3,15 +3,18 @@
 Selected purely by configuration (no vLLM patch):
 
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-      "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+      "kv_connector_extra_config": {"spec_name": "MemKVTieringOffloadingSpec",
         "cpu_bytes_to_use": 1073741824,
         "secondary_tiers": [{"type": "memkv", "servers": ["10.0.0.5:7390"]}]}}'
 
+(vLLM's own "TieringOffloadingSpec" serves the tier as well, except on vLLM's CPU platform, but
+keeps the CPU pool's /dev/shm file until a clean shutdown: tiering_spec.py.)
 `register()` (the vllm.general_plugins hook) adds the "memkv" type to vLLM's tier factory, which
 constructs this class in the scheduler process with every other key of the tier dict as a
 keyword argument. One value per (block hash, KV-cache group) holds a whole pool row (all workers'
 bytes for one offloaded chunk); rows move straight between the pool's shared memory and the
-cluster through `BlockStore`. Every vLLM-generation difference goes through `compat.api()`.
+cluster through the block store (an `Offloader`). Every vLLM-generation difference goes through
+`compat.api()`.
 
 Tier keys (names and defaults of the product this replaces): prefix ("memkv"), n_read_threads
 (8), n_write_threads (8), blocks_per_op (8), max_store_backlog_mb (2048), lookup_timeout_s (5);
@@ -29,18 +32,21 @@ call (the key namespace does not wait for vLLM's NONE_HASH).
 
 from __future__ import annotations
 
-import collections
 import logging
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from memkv_vllm.core.backends import client_or_none
-from memkv_vllm.core.interface import Lookup
+from memkv_vllm import TIERING_SPEC
+from memkv_vllm.core.backends import client_or_none, store_for
+from memkv_vllm.core.interface import Lookup, Offloader
 from memkv_vllm.core.keys import KeyLayout
-from memkv_vllm.core.store import BlockStore, StoreOptions
+from memkv_vllm.core.request_lookups import RequestLookups
 from memkv_vllm.vllm.compat import api
+from memkv_vllm.vllm.metrics import StatsReporter, metric_definitions
+from memkv_vllm.vllm.scheduler_side import end_step, warn_if_block_hashes_differ
+from memkv_vllm.vllm.tiering_spec import MemKVTieringOffloadingSpec
 
 logger = logging.getLogger("vllm.memkv_tier")  # under vLLM's logger so its handlers print it
 
@@ -89,6 +95,11 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[name
         self.locality = _API.locality(locality)
         self._events: list[Any] | None = self._events_list(bool(enable_kv_events),
                                                            offloading_spec)
+        if isinstance(offloading_spec, _API.tiering_spec_class()) and not isinstance(
+                offloading_spec, MemKVTieringOffloadingSpec):
+            logger.info("memkv tier: vLLM's TieringOffloadingSpec keeps the CPU pool's /dev/shm "
+                        "file until a clean shutdown; spec_name %s drops it once every process "
+                        "mapped it (docs/tier.md)", TIERING_SPEC)
 
         # zero-copy; keeps the mapping alive for I/O
         self._arr: np.ndarray | None = np.asarray(primary_kv_view)
@@ -98,16 +109,14 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[name
         self._prefix = str(prefix)
 
         self._client, cfg = client_or_none(client_kw, logger, "tier")
-        # The store compares status numbers: it takes the client's code-bytes face.
-        codes = self._client.codes if self._client is not None else None
-        self._store = BlockStore(codes, StoreOptions(
+        self._store: Offloader = store_for(
+            self._client, cfg,
             n_read_threads=int(n_read_threads),
             n_write_threads=int(n_write_threads),
             blocks_per_op=int(blocks_per_op),
             lookup_timeout_s=float(lookup_timeout_s),
             max_store_backlog_bytes=int(float(max_store_backlog_mb) * (1 << 20)),
-            lookup_lease_ms=int(cfg.lease_ms),
-        ))
+        )
         # The whole pool is the only memory this tier's jobs address: registered once.
         self._store.register_buffer(self._base, self._rows * self._row, owner=self._arr)
         model, fields = self._namespace_fields(offloading_spec)
@@ -119,9 +128,8 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[name
         # job id -> {remote key: offload key}, to report successful keys in vLLM's terms
         self._jobs: dict[int, dict[bytes, bytes]] = {}
         self._failed_now: list[Any] = []  # results decided at submit time
-        self._reported: collections.Counter[str] = collections.Counter()
-        # request id -> remote keys it asked about that are waiting for this step's probe
-        self._asked: dict[str, list[bytes]] = {}
+        self._stats = StatsReporter()
+        self._lookups = RequestLookups(self._store)
 
         logger.info(
             "memkv tier: servers=%s transport=%s value=%d B (%d pool rows) read_threads=%d "
@@ -130,8 +138,9 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[name
             n_read_threads, n_write_threads, blocks_per_op, lookup_timeout_s,
             max_store_backlog_mb, _API.name,
         )
-        self._seed_checked = False
-        self._warn_if_hashes_differ()
+        # Said once: now, or else at the first lookup (xxhash seeds are told by their length,
+        # which only the first block hashes show).
+        self._seed_checked = warn_if_block_hashes_differ(logger, "tier")
 
     def _events_list(self, requested: bool, spec: Any) -> list[Any] | None:
         """The event buffer take_events() drains, if the tier should publish events."""
@@ -139,21 +148,13 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[name
             return None
         if not _API.tiers_publish_events():
             logger.warning("memkv tier: enable_kv_events is set but this vLLM collects no KV "
-                           "events from secondary tiers (0.26+); the tier will not emit events")
+                           "events from secondary tiers; the tier will not emit events")
             return None
         if not _API.kv_events_enabled(spec):
             logger.warning("memkv tier: enable_kv_events is set but KV cache events are disabled "
                            "globally (kv_events_config); the tier will not emit events")
             return None
         return []
-
-    def _warn_if_hashes_differ(self) -> None:
-        ok, why = _API.block_hashes_reproducible()
-        if not ok:
-            self._seed_checked = True  # said once
-            logger.warning(
-                "memkv tier: %s; other processes will compute different block hashes and never "
-                "hit this engine's blocks (set PYTHONHASHSEED to the same value everywhere)", why)
 
     # ------------------------------------------------------------------ key namespace
     def _namespace_fields(self, spec: Any) -> tuple[str, dict[str, Any]]:
@@ -176,31 +177,16 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[name
     def lookup(self, key: bytes, req_context: Any) -> Any:
         try:
             if not self._seed_checked:
-                # The seed is known by the first lookup (xxhash seeds are told by their length).
                 self._seed_checked = True
-                self._warn_if_hashes_differ()
-            rkey = self.remote_key(key)
-            verdict = self._store.lookup(rkey)
-            if verdict is Lookup.PENDING:
-                self._asked.setdefault(_API.request_id(req_context), []).append(rkey)
+                warn_if_block_hashes_differ(logger, "tier")
+            verdict = self._lookups.lookup(self.remote_key(key), _API.request_id(req_context))
             return _API.lookup_result(verdict)
         except Exception:  # the scheduler's hot path: a bug here must cost a miss, not the engine
             logger.exception("memkv tier: lookup failed; answering MISS")
             return _API.lookup_result(Lookup.MISS)
 
     def on_schedule_end(self, context: Any = None) -> None:
-        try:
-            asked, self._asked = self._asked, {}
-            preempted = set(_API.preempted_request_ids(context)) & set(asked)
-            if preempted:
-                # A preempted request waits again from scratch: probing its keys now is wasted
-                # work, unless a request still running asked for the same key.
-                keep = {k for rid, ks in asked.items() if rid not in preempted for k in ks}
-                self._store.cancel_lookups(
-                    [k for rid in preempted for k in asked[rid] if k not in keep])
-            self._store.flush_lookups()  # this step's new keys: one exists batch
-        except Exception:
-            logger.exception("memkv tier: flushing lookups failed")
+        end_step(self._lookups.end_step, context, logger, "tier")
 
     # ------------------------------------------------------------------ transfers
     def _submit(self, job: Any, is_load: bool) -> None:
@@ -277,10 +263,10 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[name
     # ------------------------------------------------------------------ metrics
     @classmethod
     def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
-        return _API.metric_definitions()
+        return metric_definitions()
 
     def get_stats(self) -> Any:
-        return _API.stats_since(self._store.stats(), self._reported)
+        return self._stats.report(self._store.stats())
 
     def store_stats(self) -> dict[str, int]:
         """Cumulative block-store counters (tests, debugging)."""

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from memkv_vllm.core.backends import store_for
 from memkv_vllm.core.client import MemKVClient
 from memkv_vllm.core.config import load_config
 from memkv_vllm.core.interface import Lookup
-from memkv_vllm.core.store import BlockStore, StoreOptions
 from memkv_vllm.direct.keys import key_under
 from memkv_vllm.direct.manager import DirectManager
 
@@ -35,13 +35,11 @@ class Clock:
 
 def make(address: str, tp: int = 1, clock: Clock | None = None, **opts: object
          ) -> tuple[DirectManager, MemKVClient]:
-    client = MemKVClient.from_config(load_config({"servers": [address]}))
+    cfg = load_config({"servers": [address], "lease_ms": 10_000})
+    client = MemKVClient.from_config(cfg)
     clock = clock or Clock()
-    store = BlockStore(client.codes, StoreOptions(n_read_threads=1, n_write_threads=1,
-                                                  lookup_lease_ms=10_000, **opts),  # type: ignore[arg-type]
-                       clock=clock)
-    return DirectManager(store, PREFIX, tp, split, lease_client=client.codes, lease_ms=10_000,
-                         clock=clock), client
+    store = store_for(client, cfg, n_read_threads=1, n_write_threads=1, clock=clock, **opts)
+    return DirectManager(store, PREFIX, tp, split, clock=clock), client
 
 
 def put_chunk(client: MemKVClient, key: bytes, ranks: range) -> None:
@@ -133,7 +131,7 @@ def test_an_unreachable_cluster_is_a_miss(memkv_server):
 
 def test_tp_size_must_be_positive():
     with pytest.raises(ValueError):
-        DirectManager(BlockStore(None), PREFIX, 0, split)
+        DirectManager(store_for(None, load_config({})), PREFIX, 0, split)
 
 
 def test_a_value_the_lease_renewal_does_not_find_turns_into_a_miss(memkv_server):

@@ -45,9 +45,9 @@ def test_direct_worker_round_trip_through_redis(redis_server: RedisStandalone) -
     (ws, src), (wd, dst) = (redis_worker(redis_server.urls, s) for s in (1, 2))
     chunks = [(b"ra", 0), (b"rb", 0)]
     ws.submit_store(1, [2, 3, 4, 5], [4], [0], chunks)
-    assert finish(ws, 1).success
+    assert not finish(ws, 1).failed
     wd.submit_load(2, [10, 11, 12, 13], [4], [0], chunks)
-    assert finish(wd, 2).success
+    assert not finish(wd, 2).failed
     assert [block(dst, t, b) for t in (0, 1) for b in (10, 11, 12, 13)] == [
         block(src, t, b) for t in (0, 1) for b in (2, 3, 4, 5)]
     ws.shutdown()
@@ -57,10 +57,9 @@ def test_direct_worker_round_trip_through_redis(redis_server: RedisStandalone) -
 def test_a_corrupt_redis_value_fails_the_load_and_writes_nothing(
         redis_server: RedisStandalone) -> None:
     (ws, _), (wd, dst) = (redis_worker(redis_server.urls, s) for s in (3, 4))
-    wd.recompute_failed_loads = True  # as the recompute connector sets it
     chunks = [(b"rc", 0)]
     ws.submit_store(1, [2, 3], [2], [0], chunks)
-    assert finish(ws, 1).success
+    assert not finish(ws, 1).failed
     r = redis.Redis(port=redis_server.node.port)
     name = redis_key(key_under(PREFIX, b"rc", 0, 1))
     value = bytearray(r.get(name))
@@ -68,8 +67,7 @@ def test_a_corrupt_redis_value_fails_the_load_and_writes_nothing(
     r.set(name, bytes(value))
     before = [block(dst, t, b) for t in (0, 1) for b in (8, 9)]
     wd.submit_load(2, [8, 9], [2], [0], chunks)
-    finish(wd, 2)
-    assert wd.take_failed_block_ids() == {8, 9}
+    assert finish(wd, 2).failed_block_ids == {8, 9}
     r.close()
     assert [block(dst, t, b) for t in (0, 1) for b in (8, 9)] == before
     ws.shutdown()

@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 from vllm_specs import canonical_kv, make_spec  # noqa: E402
 
 from memkv_vllm.core.config import ConfigError  # noqa: E402
+from memkv_vllm.core.interface import LoadErrorListener, LoadErrorReporter  # noqa: E402
 from memkv_vllm.direct.prefixes import PrefixMismatch  # noqa: E402
 from memkv_vllm.vllm.compat import api  # noqa: E402
 
@@ -110,14 +111,32 @@ def test_store_then_load_through_vllms_classes(memkv_server) -> None:
 
 def test_a_failed_load_in_the_plain_configuration_is_reported_and_never_written(memkv_server):
     worker, manager, ts = one_engine(memkv_server.address, seed=3)
+    assert isinstance(worker, LoadErrorReporter) and isinstance(manager, LoadErrorListener)
     spec = manager.prepare_load(keys(1), kvb.ReqContext(req_id="r"))  # nothing stored
     before = [t.clone() for t in ts]
     worker.submit_load(1, spec, kvb.GPULoadStoreSpec([3, 4], group_sizes=[2], block_indices=[0]))
     assert finished(worker, 1).success is False  # vLLM stops: nothing can recompute
-    worker.recompute_failed_loads = True  # what the recompute connector sets
+    assert worker.take_load_errors() == set()
+    worker.recompute_failed_loads()  # what the recompute connector does
     worker.submit_load(2, spec, kvb.GPULoadStoreSpec([5, 6], group_sizes=[2], block_indices=[0]))
     assert finished(worker, 2).success is True
-    assert worker.take_failed_block_ids() == {5, 6}
+    assert worker.take_load_errors() == {5, 6}
+    assert worker.take_load_errors() == set()
+    assert all(torch.equal(a, b) for a, b in zip(before, ts, strict=True))
+    worker.shutdown()
+    manager.shutdown()
+
+
+def test_a_load_whose_job_cannot_be_read_is_reported_failed_even_when_recomputing(memkv_server):
+    worker, manager, ts = one_engine(memkv_server.address, seed=6)
+    worker.recompute_failed_loads()
+    spec = manager.prepare_load(keys(1), kvb.ReqContext(req_id="r"))
+    before = [t.clone() for t in ts]
+    # Not a GPULoadStoreSpec: its blocks are unknown, so no one could recompute them, and a
+    # success would have vLLM read KV that was never loaded.
+    assert worker.submit_load(1, spec, spec) is True
+    assert finished(worker, 1).success is False
+    assert worker.take_load_errors() == set()
     assert all(torch.equal(a, b) for a, b in zip(before, ts, strict=True))
     worker.shutdown()
     manager.shutdown()
@@ -177,13 +196,14 @@ def test_hits_are_attributed_to_a_remote_store_where_vllm_asks():
 
 
 def test_stored_chunks_become_kv_events_when_the_engine_publishes_them():
-    from memkv_vllm.core.store import BlockStore
+    from memkv_vllm.core.backends import store_for
+    from memkv_vllm.core.config import load_config
     from memkv_vllm.direct.manager import DirectManager
     from memkv_vllm.vllm.spec import MemKVOffloadingManager
 
     def manager(events: bool) -> MemKVOffloadingManager:
-        logic = DirectManager(BlockStore(None), b"p", 1, api().split_offload_key)
-        return MemKVOffloadingManager(logic, kv_events=events)
+        logic = DirectManager(store_for(None, load_config({})), b"p", 1, api().split_offload_key)
+        return MemKVOffloadingManager(logic, None, kv_events=events)
 
     ks, ctx = keys(2), kvb.ReqContext(req_id="r")
     for events in (True, False):

@@ -1,6 +1,7 @@
 """The worker-side logic of direct mode: vLLM's job geometry over host KV tensors, through
-KVOffloader, against a real memkv server. Loads that fail never write a block and never raise;
-they are reported as vLLM's selected connector can bear."""
+KVOffloader, against a real memkv server. Every job is answered once, as plain values naming the
+blocks it did not move; loads that fail never write a block and never raise (what a failed load
+is reported as to vLLM is tests/direct/test_load_failures.py's subject)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from memkv_vllm.core.client import MemKVClient  # noqa: E402
 from memkv_vllm.core.config import load_config  # noqa: E402
 from memkv_vllm.core.store import BlockStore, StoreOptions  # noqa: E402
 from memkv_vllm.direct.keys import key_under  # noqa: E402
-from memkv_vllm.direct.worker import DirectWorker, Finished, job_entries  # noqa: E402
+from memkv_vllm.direct.worker import DirectWorker, FinishedJob, job_entries  # noqa: E402
 from memkv_vllm.offload import Entry, KVOffloader, KVRef, PagedKV  # noqa: E402
 
 PREFIX = b"mkD1" + bytes(16)
@@ -42,7 +43,7 @@ def worker(address: str, kv: PagedKV, op_timeout_s: float = 10.0, slots: int = 8
     return DirectWorker(off, PREFIX, rank=1, blocks_per_chunk=BPC, **kw)  # type: ignore[arg-type]
 
 
-def finish(w: DirectWorker, job_id: int, timeout: float = 30.0) -> Finished:
+def finish(w: DirectWorker, job_id: int, timeout: float = 30.0) -> FinishedJob:
     """The job's one answer; no other answer may exist."""
     assert w.offloader.drain(timeout)
     done = w.get_finished()
@@ -76,17 +77,18 @@ def test_store_then_load_elsewhere_is_byte_exact_including_a_partial_first_chunk
     chunks = [(b"a", 0), (b"b", 0), (b"c", 1)]
     ws.submit_store(1, [2, 3, 4, 5, 6, 7], [4, 2], [0, 0], chunks)
     f = finish(ws, 1)
-    assert f.success and f.nbytes == 2 * 256 + 64  # two group-0 values, one group-1 value
+    assert not f.is_load and not f.failed
+    assert f.nbytes == 2 * 256 + 64  # two group-0 values, one group-1 value
     # Load into other blocks, the first chunk of group 0 only from position 1 (its first block
     # is already in the destination's prefix cache).
     untouched = block(dst, 0, 9)
     wd.submit_load(2, [9 + 1, 11, 12, 13, 14], [3, 2], [1, 0], chunks)
-    assert finish(wd, 2).success
+    f = finish(wd, 2)
+    assert f.is_load and f.failed_block_ids == frozenset() and not f.failed
     assert block(dst, 0, 9) == untouched
     assert [block(dst, t, b) for t in (0, 1) for b in (10, 11, 12)] == [
         block(src, t, b) for t in (0, 1) for b in (3, 4, 5)]
     assert [block(dst, 1, b)[:32] for b in (13, 14)] == [block(src, 1, b)[:32] for b in (6, 7)]
-    assert wd.take_failed_block_ids() == set()
     ws.shutdown()
     wd.shutdown()
 
@@ -94,36 +96,44 @@ def test_store_then_load_elsewhere_is_byte_exact_including_a_partial_first_chunk
 def test_a_chunk_covered_in_part_is_never_stored(memkv_server):
     w = worker(memkv_server.address, kv_cache())
     w.submit_store(1, [2, 3, 4], [3], [1], [(b"x", 0), (b"y", 0)])  # x would lack position 0
-    assert finish(w, 1).success
+    assert not finish(w, 1).failed
     stats = memkv_server.stats()
     assert stats["puts"] == 1 and stats["items"] == 1
     w.shutdown()
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_failed_load_writes_nothing_and_is_reported_as_the_route_allows(memkv_server, device):
+def test_a_failed_load_writes_nothing_and_names_its_blocks(memkv_server, device):
+    src = kv_cache(seed=7, device=device)
+    ws = worker(memkv_server.address, src)
+    ws.submit_store(1, [0, 1], [2], [0], [(b"present", 0)])
+    assert not finish(ws, 1).failed
+    ws.shutdown()
     kv = kv_cache(device=device)
     w = worker(memkv_server.address, kv)
     before = [block(kv, t, b) for t in (0, 1) for b in range(16)]
-    w.submit_load(1, [4, 5], [2], [0], [(b"absent", 0)])
-    assert finish(w, 1).success is False  # stock connector: no way to recompute
-    w.recompute_failed_loads = True  # a connector that reports load errors to vLLM
-    w.submit_load(2, [6, 7], [2], [0], [(b"absent", 0)])
-    assert finish(w, 2).success is True
-    assert w.take_failed_block_ids() == {6, 7}
-    assert w.take_failed_block_ids() == set()  # each failure is reported once
-    assert [block(kv, t, b) for t in (0, 1) for b in range(16)] == before
+    # One chunk is there, the other is not: only the missing one's blocks fail.
+    w.submit_load(2, [4, 5, 6, 7], [4], [0], [(b"present", 0), (b"absent", 0)])
+    f = finish(w, 2)
+    assert f.is_load and f.failed and f.failed_block_ids == {6, 7}
+    assert [block(kv, t, b) for t in (0, 1) for b in (6, 7)] == [
+        before[t * 16 + b] for t in (0, 1) for b in (6, 7)]
+    assert [block(kv, t, b) for t in (0, 1) for b in (4, 5)] == [
+        block(src, t, b) for t in (0, 1) for b in (0, 1)]
     w.shutdown()
 
 
 def test_a_malformed_job_is_answered_once_and_never_raises(memkv_server):
     w = worker(memkv_server.address, kv_cache())
-    w.recompute_failed_loads = True
     w.submit_load(1, [4, 5], [2], [0], [])  # no chunk for its blocks
     w.submit_store(2, [99, 100], [2], [0], [(b"x", 0)])  # block ids out of range
-    done = w.get_finished()
-    assert sorted(f.job_id for f in done) == [1, 2] and all(f.success for f in done)
-    assert w.take_failed_block_ids() == {4, 5}
+    w.answer_unstarted(3, is_load=True, block_ids=None)  # a job its caller could not read
+    done = {f.job_id: f for f in w.get_finished()}
+    assert sorted(done) == [1, 2, 3]
+    assert done[1].is_load and done[1].failed_block_ids == {4, 5}
+    assert not done[2].is_load and done[2].failed_block_ids == {99, 100}
+    assert done[3].failed and done[3].unreadable and done[3].failed_block_ids == frozenset()
+    assert all(f.nbytes == 0 for f in done.values())
     assert w.get_finished() == []
     w.shutdown()
 
@@ -132,11 +142,10 @@ def test_wait_gives_up_a_load_stuck_on_a_frozen_server_and_it_never_writes(memkv
     src = kv_cache(seed=3)
     ws = worker(memkv_server.address, src)
     ws.submit_store(1, [0, 1], [2], [0], [(b"f", 0)])
-    assert finish(ws, 1).success
+    assert not finish(ws, 1).failed
     ws.shutdown()
     kv = kv_cache(seed=4)
     w = worker(memkv_server.address, kv, op_timeout_s=3.0, wait_timeout_s=0.3)
-    w.recompute_failed_loads = True
     before = [block(kv, t, b) for t in (0, 1) for b in (8, 9)]
     with memkv_server.frozen():
         w.submit_load(2, [8, 9], [2], [0], [(b"f", 0)])
@@ -144,7 +153,7 @@ def test_wait_gives_up_a_load_stuck_on_a_frozen_server_and_it_never_writes(memkv
         w.wait({2})  # jumps the queue, then gives up after wait_timeout_s
         assert time.monotonic() - t0 < 2.0
     f = finish(w, 2)  # the value may still arrive: it must not be written any more
-    assert f.success and w.take_failed_block_ids() == {8, 9}
+    assert f.failed_block_ids == {8, 9}
     assert [block(kv, t, b) for t in (0, 1) for b in (8, 9)] == before
     w.shutdown()
 
@@ -154,7 +163,7 @@ def test_a_job_named_in_wait_jumps_the_queue(memkv_server):
     ws = worker(memkv_server.address, src)
     chunks = [(b"q%d" % i, 0) for i in range(8)]
     ws.submit_store(1, list(range(16)), [16], [0], chunks)
-    assert finish(ws, 1).success
+    assert not finish(ws, 1).failed
     ws.shutdown()
     w = worker(memkv_server.address, kv_cache(seed=6), slots=1)  # one value at a time
     w.submit_load(1, list(range(16)), [16], [0], chunks)  # eight values, one after another
@@ -166,26 +175,21 @@ def test_a_job_named_in_wait_jumps_the_queue(memkv_server):
     w.shutdown()
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["stock", "recompute"])
-def test_a_wait_that_gives_up_queued_loads_raises_nothing_and_answers_them_failed(memkv_server,
-                                                                                   recompute):
+def test_a_wait_that_gives_up_queued_loads_raises_nothing_and_answers_them_failed(memkv_server):
     """Every value of job 2 still waits behind job 1's, stuck on a frozen server, when
     memkv_wait_timeout_s passes. Giving job 2 up answers it at once as a failed load, and `wait`
     returns normally (it raised "cannot notify on un-acquired lock" into vLLM's worker)."""
     kv = kv_cache(seed=7)
     w = worker(memkv_server.address, kv, slots=1, wait_timeout_s=0.2)
     try:
-        w.recompute_failed_loads = recompute
         before = [block(kv, t, b) for t in (0, 1) for b in range(16)]
         with memkv_server.frozen():
             w.submit_load(1, [2, 3], [2], [0], [(b"first", 0)])  # the only slot, on the network
             w.submit_load(2, [8, 9, 10, 11], [4], [0], [(b"a", 0), (b"b", 0)])  # queued behind
             w.wait({2})
             (f,) = w.get_finished()
-            assert (f.job_id, f.success, f.nbytes) == (2, recompute, 0)
-            assert w.take_failed_block_ids() == ({8, 9, 10, 11} if recompute else set())
-        assert finish(w, 1).success is recompute  # "first" was never stored: failed too
-        assert w.take_failed_block_ids() == ({2, 3} if recompute else set())
+            assert (f.job_id, f.failed_block_ids, f.nbytes) == (2, {8, 9, 10, 11}, 0)
+        assert finish(w, 1).failed_block_ids == {2, 3}  # "first" was never stored: failed too
         assert w.get_finished() == [] and not w.has_pending_jobs()
         assert [block(kv, t, b) for t in (0, 1) for b in range(16)] == before
     finally:

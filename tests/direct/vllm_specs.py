@@ -1,7 +1,8 @@
 """Real `MemKVOffloadingSpec`s built the way vLLM builds them, without a model running: from an
 `OffloadingConfig` (vLLM 0.26+) or from a `VllmConfig` + `KVCacheConfig` (0.25), one per process
-role (the scheduler is rank 0, workers have their own rank), plus vLLM's canonical KV caches over
-host tensors, which is what the OffloadingConnector hands a worker."""
+role (the scheduler is rank 0, workers have their own rank), the engine configs a connector is
+built from, plus vLLM's canonical KV caches over host tensors, which is what the
+OffloadingConnector hands a worker."""
 
 from __future__ import annotations
 
@@ -51,6 +52,16 @@ def make_spec(extra: dict[str, Any], *, engine_id: str, rank: int = 0, tp_size: 
                 "data_parallel_size": 1, "data_parallel_rank_local": None,
                 "is_parallelism_agnostic": False}),
         }))
+    return MemKVOffloadingSpec(*engine_configs(extra, engine_id=engine_id, rank=rank,
+                                               tp_size=tp_size, pp_size=pp_size))
+
+
+def engine_configs(extra: dict[str, Any], *, engine_id: str, rank: int = 0, tp_size: int = 1,
+                   pp_size: int = 1, connector: str = "OffloadingConnector",
+                   **transfer: Any) -> tuple[Any, Any]:
+    """(VllmConfig, KVCacheConfig) of an engine on the tiny model whose KV transfer config names
+    `connector` with `extra` (and `transfer`'s other KVTransferConfig fields): what vLLM hands a
+    connector, and on 0.25 a spec."""
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -64,19 +75,23 @@ def make_spec(extra: dict[str, Any], *, engine_id: str, rank: int = 0, tp_size: 
         parallel_config=ParallelConfig(tensor_parallel_size=tp_size,
                                        pipeline_parallel_size=pp_size),
         cache_config=CacheConfig(block_size=BLOCK_TOKENS),
-        kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector",
-                                            kv_role="kv_both", engine_id=engine_id,
-                                            kv_connector_extra_config=extra))
+        kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role="kv_both",
+                                            engine_id=engine_id,
+                                            kv_connector_extra_config=extra, **transfer))
     vllm_config.instance_id = engine_id
     vllm_config.parallel_config.rank = rank
     kv_spec = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=2, head_size=4,
                                 dtype=torch.float32)
     kv_cache_config = KVCacheConfig(
         num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[KVCacheTensor(size=kv_spec.page_size_bytes * NUM_BLOCKS,
-                                        shared_by=[name]) for name in LAYERS],
+        # One tensor per layer, in the fields of this generation (newer ones place layers by
+        # strides, older ones name who shares the tensor).
+        kv_cache_tensors=[_build(KVCacheTensor, {
+            "size": kv_spec.page_size_bytes * NUM_BLOCKS, "shared_by": [name], "layers": [name],
+            "layer_stride": kv_spec.page_size_bytes * NUM_BLOCKS,
+            "block_stride": kv_spec.page_size_bytes}) for name in LAYERS],
         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), kv_spec)])
-    return MemKVOffloadingSpec(vllm_config, kv_cache_config)
+    return vllm_config, kv_cache_config
 
 
 def canonical_kv(seed: int) -> tuple[Any, list[torch.Tensor]]:

@@ -3,10 +3,11 @@
 vLLM's TieringOffloadingSpec backs the CPU pool with /dev/shm/vllm_offload_<id>.mmap (the engine
 id; vLLM 0.25: the instance id) and,
 left to itself, removes it only on a clean shutdown of the worker that created it (a SIGTERM of
-the API server left it, a SIGKILL always does). The plugin unlinks the name once every process
-has mapped the pool (memkv_vllm/vllm/shm_region.py): these tests start the real API server with the
-tier and a real memkv server, check that the pool is mapped but already nameless while it
-serves, stop it with SIGTERM or SIGKILL of its whole process group, and list /dev/shm.
+the API server left it, a SIGKILL always does). The plugin's MemKVTieringOffloadingSpec unlinks
+the name once every process has mapped the pool (memkv_vllm/vllm/shm_region.py): these tests start
+the real API server with that spec, the tier and a real memkv server, check that the pool is
+mapped but already nameless while it serves, stop it with SIGTERM or SIGKILL of its whole
+process group, and list /dev/shm.
 
 vLLM's own executor queues (psm_* shared memory, sem.mp-* semaphores) are not the tier's: Python's
 resource tracker removes them on SIGTERM, which is asserted; a SIGKILL of the group kills the

@@ -54,15 +54,14 @@ def _build(cls: type, values: dict[str, Any]) -> Any:
     return cls(**{k: v for k, v in values.items() if k in names})
 
 
-def _extra_config(tier: dict[str, Any]) -> dict[str, Any]:
-    return {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": NUM_CHUNKS * ROW,
-            "secondary_tiers": [dict(tier)]}
+def _extra_config(cls: type, tiers: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"spec_name": cls.__name__, "cpu_bytes_to_use": NUM_CHUNKS * ROW,
+            "secondary_tiers": [dict(t) for t in tiers]}
 
 
-def _spec_from_offloading_config(tier: dict[str, Any], *, tp_size: int, agnostic: bool,
-                                 kv_events: bool, dtype: str) -> Any:
+def _spec_from_offloading_config(cls: type, tiers: list[dict[str, Any]], *, tp_size: int,
+                                 agnostic: bool, kv_events: bool, dtype: str) -> Any:
     from vllm.v1.kv_offload import config as oc
-    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
     config = _build(oc.OffloadingConfig, {
         "groups": (_build(oc.OffloadingGroupConfig, {
@@ -70,7 +69,7 @@ def _spec_from_offloading_config(tier: dict[str, Any], *, tp_size: int, agnostic
             "group_id": 0}),),
         "worker_kv_bytes_per_block": ROW // tp_size,
         "enable_kv_cache_events": kv_events,
-        "extra_config": _extra_config(tier),
+        "extra_config": _extra_config(cls, tiers),
         "engine_id": f"memkv-conformance-{uuid.uuid4().hex[:12]}",
         "model": _build(oc.OffloadingModelConfig, {"name": "conformance/tiny", "dtype": dtype}),
         "cache": _build(oc.OffloadingCacheConfig, {"tokens_per_hash": BLOCK_TOKENS,
@@ -80,11 +79,11 @@ def _spec_from_offloading_config(tier: dict[str, Any], *, tp_size: int, agnostic
             "dcp_size": 1, "data_parallel_index": 0, "data_parallel_size": 1,
             "data_parallel_rank_local": None, "is_parallelism_agnostic": agnostic}),
     })
-    return TieringOffloadingSpec(config)
+    return cls(config)
 
 
-def _spec_from_vllm_config(tier: dict[str, Any], *, tp_size: int, agnostic: bool,
-                           kv_events: bool, dtype: str) -> Any:
+def _spec_from_vllm_config(cls: type, tiers: list[dict[str, Any]], *, tp_size: int,
+                           agnostic: bool, kv_events: bool, dtype: str) -> Any:
     import torch
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import (
@@ -94,7 +93,6 @@ def _spec_from_vllm_config(tier: dict[str, Any], *, tp_size: int, agnostic: bool
         KVCacheTensor,
         MLAAttentionSpec,
     )
-    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=tiny_model(), dtype=dtype),
@@ -102,7 +100,7 @@ def _spec_from_vllm_config(tier: dict[str, Any], *, tp_size: int, agnostic: bool
         cache_config=CacheConfig(block_size=BLOCK_TOKENS),
         kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector",
                                             kv_role="kv_both",
-                                            kv_connector_extra_config=_extra_config(tier)))
+                                            kv_connector_extra_config=_extra_config(cls, tiers)))
     if agnostic:
         kv_spec = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=KV_HEADS // tp_size,
                                     head_size=HEAD_SIZE, dtype=torch.float32)
@@ -116,7 +114,19 @@ def _spec_from_vllm_config(tier: dict[str, Any], *, tp_size: int, agnostic: bool
         kv_cache_tensors=[KVCacheTensor(size=page * NUM_CHUNKS, shared_by=[name])
                           for name in LAYERS],
         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), kv_spec)])
-    return TieringOffloadingSpec(vllm_config, kv_cache_config)
+    return cls(vllm_config, kv_cache_config)
+
+
+def tiering_spec(cls: type | None = None, tiers: list[dict[str, Any]] | None = None, *,
+                 tp_size: int = 1, agnostic: bool = True, kv_events: bool = False,
+                 dtype: str = "float32") -> Any:
+    """A real tiering spec of class `cls` (vLLM's TieringOffloadingSpec by default, or a subclass)
+    for a fresh engine, with `tiers` as its secondary tiers (none by default)."""
+    if cls is None:
+        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec as cls
+    build = _spec_from_offloading_config if HAVE_OFFLOADING_CONFIG else _spec_from_vllm_config
+    return build(cls, tiers or [], tp_size=tp_size, agnostic=agnostic, kv_events=kv_events,
+                 dtype=dtype)
 
 
 class SpecEngine(Engine):
@@ -124,11 +134,9 @@ class SpecEngine(Engine):
 
     def __init__(self, tier_config: dict[str, Any], *, tp_size: int = 1, agnostic: bool = False,
                  kv_events: bool = False, dtype: str = "float32") -> None:
-        # Upstream's spec class, not the CPU-platform subclass register() installs by name: the
-        # scheduler side (everything a tier sees) is the same, and no worker is built here.
-        build = _spec_from_offloading_config if HAVE_OFFLOADING_CONFIG else _spec_from_vllm_config
-        self.spec = build(tier_config, tp_size=tp_size, agnostic=agnostic, kv_events=kv_events,
-                          dtype=dtype)
+        # Upstream's spec class, which serves the tier as it is: no worker is built here.
+        self.spec = tiering_spec(tiers=[tier_config], tp_size=tp_size, agnostic=agnostic,
+                                 kv_events=kv_events, dtype=dtype)
         self.manager = self.spec.get_manager()
         self.primary = self.manager.primary_tier
         (self.tier,) = self.manager.secondary_tiers

@@ -1,19 +1,23 @@
 """What compat translates, checked against the installed vLLM through the real manager: the
-OffloadKey layout, ScheduleEndContext's preempted requests, back-pressure wiring, and the one
-private hook (the built-in spec swap), which must fail loudly if vLLM changes it."""
+OffloadKey layout, ScheduleEndContext's preempted requests, back-pressure wiring, the spec
+registration, and the private fields and hooks compat reaches (the pool region's file, the
+worker's shutdown), which must fail loudly if vLLM changes them."""
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
 from harness import okey
+from specs import tiering_spec
 
+import memkv_vllm
+from memkv_vllm import TIERING_SPEC
 from memkv_vllm.core.keys import KeyLayout
 from memkv_vllm.vllm import compat
 from memkv_vllm.vllm.compat import api
-from memkv_vllm.vllm.cpu_worker import cpu_tiering_spec_class, install
-from memkv_vllm.vllm.shm_region import tiering_spec_class
+from memkv_vllm.vllm.tiering_spec import MemKVTieringOffloadingSpec
 
 
 def _cfg(address: str, **kw) -> dict:
@@ -58,21 +62,70 @@ def test_the_back_pressure_detector_reaches_the_tier(memkv_server, engines) -> N
     assert type(b.tier.bp_detector).__name__ == "EMABackpressureDetector"
 
 
-def test_the_plugins_spec_replaces_the_builtin_one_on_every_platform() -> None:
+def test_register_adds_the_memkv_spec_and_leaves_vllms_own_alone() -> None:
     a = api()
-    # register() (harness) installed it; this reads vLLM's private registry through the same
-    # adapter hook, so a vLLM that changed the registry fails here. The CPU platform gets the
-    # copy worker; every platform the pool whose /dev/shm name goes early (test_shm_pool.py).
-    assert install()
-    cls = a.resolve_builtin_spec("TieringOffloadingSpec")
-    assert cls is (cpu_tiering_spec_class() if a.is_cpu_platform() else tiering_spec_class())
-    assert issubclass(cls, tiering_spec_class())
-    assert issubclass(tiering_spec_class(), a.tiering_spec_class())
+    memkv_vllm.register()  # as vLLM's plugin loader does (the harness did too: idempotent)
+    # vLLM's own test_tiering_spec_registered, through vLLM's public lookup: an engine that names
+    # vLLM's spec gets vLLM's class, plugin or not.
+    assert a.spec_class({"spec_name": "TieringOffloadingSpec"}) is a.tiering_spec_class()
+    assert a.spec_class({"spec_name": "CPUOffloadingSpec"}).__module__.startswith("vllm.")
+    cls = a.spec_class({"spec_name": TIERING_SPEC})
+    assert cls is MemKVTieringOffloadingSpec and cls.__name__ == TIERING_SPEC
+    assert issubclass(cls, a.tiering_spec_class())
 
 
-def test_the_spec_swap_refuses_a_registry_it_does_not_recognise() -> None:
-    with pytest.raises(RuntimeError, match="no longer maps 'NoSuchSpec'"):
-        api().replace_builtin_spec("NoSuchSpec", cpu_tiering_spec_class)
+def test_the_pool_regions_file_fields_are_where_compat_reads_them() -> None:
+    # compat reads and writes SharedOffloadRegion's file fields, one of them private (_creator):
+    # a vLLM that renamed them fails here, and a cleanup() that stopped honouring the flag too.
+    a = api()
+    spec = tiering_spec()
+    worker = a.open_worker_region(spec, 0)  # creates the file
+    path = worker.mmap_path
+    try:
+        file = a.pool_file(worker)
+        assert file is not None and (file.path, file.creator) == (path, True)
+        assert os.fstat(file.fd).st_ino == os.stat(path).st_ino
+        scheduler = a.open_worker_region(spec, 0)  # a second mapping joins the file
+        assert a.pool_file(scheduler).creator is False
+        scheduler.cleanup()
+        assert a.pool_file(scheduler) is None  # closed
+        a.keep_name_at_cleanup(worker)
+        worker.cleanup()
+        assert os.path.exists(path)  # the creator's cleanup left the name
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    with pytest.raises(RuntimeError, match="mmap_path, fd, _creator"):
+        a.pool_file(object())
+    with pytest.raises(RuntimeError, match="_creator"):
+        a.keep_name_at_cleanup(object())
+
+
+def test_the_shutdown_hook_runs_before_an_offloading_workers_shutdown() -> None:
+    calls = []
+
+    class Worker(api().direct_base_classes().worker):  # vLLM's OffloadingWorker
+        def submit_store(self, *args):
+            return True
+
+        def submit_load(self, *args):
+            return True
+
+        def get_finished(self):
+            return []
+
+        def wait(self, job_ids):
+            return None
+
+        def shutdown(self):
+            calls.append("shutdown")
+
+    w = Worker()
+    api().call_before_shutdown(w, lambda: calls.append("hook"))
+    w.shutdown()
+    assert calls == ["hook", "shutdown"]
+    with pytest.raises(RuntimeError, match="not an OffloadingWorker"):
+        api().call_before_shutdown(object(), lambda: None)
 
 
 def test_the_detected_adapter_is_the_newest_whose_probe_passes() -> None:
@@ -81,3 +134,4 @@ def test_the_detected_adapter_is_the_newest_whose_probe_passes() -> None:
     assert detected.probe()
     assert not any(g.probe() for g in gens[:gens.index(detected)])
     assert all(g.probe() for g in gens[gens.index(detected):])
+

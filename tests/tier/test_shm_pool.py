@@ -1,97 +1,99 @@
-"""The CPU pool's /dev/shm name on every platform, with vLLM's real TieringOffloadingSpec and
-SharedOffloadRegion: the spec the plugin installs makes the scheduler unlink the name once it has
-mapped the pool the workers created, and a worker's shutdown then leaves a newer engine's file
-alone. No engine: the worker side is the region vLLM's worker maps (through compat), so this runs
-on the GPU build without a GPU too (tests/e2e/test_shm_cleanup.py covers a real CPU-platform
-engine; test_compat.py checks that the plugin installs this spec)."""
+"""The CPU pool's /dev/shm name under MemKVTieringOffloadingSpec, with vLLM's real spec classes and
+SharedOffloadRegion: the scheduler unlinks the name once it has mapped the pool a worker created,
+a worker's shutdown then leaves a newer engine's file alone, and vLLM's own TieringOffloadingSpec
+keeps its behaviour. The worker is the one this platform gets from the spec (the CPU platform's
+copy worker here); tests/e2e/test_shm_cleanup.py covers a real API server. The region fields and
+the shutdown hook that the plugin reaches through compat are checked in test_compat.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from specs import LAYERS, tiering_spec
+from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 
 from memkv_vllm.vllm.compat import api
-from memkv_vllm.vllm.shm_region import forget_dropped_name_at_shutdown, tiering_spec_class
-
-PAGE = 4096  # KV bytes per block and worker: one page, so a pool row needs no padding
+from memkv_vllm.vllm.tiering_spec import MemKVTieringOffloadingSpec
 
 
-def _build(cls: type, **values: Any) -> Any:
-    """`cls` (a vLLM config dataclass) from the fields of `values` it has; vLLM adds fields
-    between releases, and one without a default that this test does not know fails loudly."""
-    fields = dataclasses.fields(cls)
-    unknown = [f.name for f in fields if f.name not in values
-               and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    assert not unknown, f"{cls.__name__} needs {unknown}: add them to this test"
-    return cls(**{f.name: values[f.name] for f in fields if f.name in values})
-
-
-def _offloading_config(engine_id: str, chunks: int) -> Any:
-    """An OffloadingConfig as vLLM builds it for a one-worker engine (0.26+)."""
-    cfg = pytest.importorskip("vllm.v1.kv_offload.config",
-                              reason="vLLM 0.25 builds specs from a VllmConfig")
-    return _build(
-        cfg.OffloadingConfig,
-        groups=(_build(cfg.OffloadingGroupConfig, tokens_per_block=16, layer_names=("l0",),
-                       group_id=0),),
-        worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": chunks * PAGE, "secondary_tiers": []},
-        engine_id=engine_id,
-        model=_build(cfg.OffloadingModelConfig, name="tiny", dtype="float32",
-                     max_model_len=1024),
-        cache=_build(cfg.OffloadingCacheConfig, tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=_build(cfg.OffloadingParallelConfig, rank=0, world_size=1, tp_size=1,
-                        pp_size=1, pcp_size=1, dcp_size=1, data_parallel_index=0,
-                        data_parallel_size=1, data_parallel_rank_local=None,
-                        is_parallelism_agnostic=True),
-    )
+def _pool_path(spec: Any) -> str:
+    return f"/dev/shm/vllm_offload_{api().engine_id(spec)}.mmap"
 
 
 @pytest.fixture
-def spec() -> Iterator[tuple[Any, str]]:
-    """The plugin's tiering spec for a fresh engine id, and the pool file vLLM names after it;
-    removes that file if a test left it."""
-    engine_id = f"memkv-test-{uuid.uuid4().hex[:12]}"
-    s = tiering_spec_class()(_offloading_config(engine_id, 8))
-    path = f"/dev/shm/vllm_offload_{engine_id}.mmap"
-    yield s, path
-    manager = getattr(s, "_manager", None)
-    if manager is not None:
-        manager.shutdown()
-    if os.path.exists(path):
-        os.unlink(path)
+def spec() -> Iterator[Any]:
+    """The plugin's tiering spec for a fresh engine; removes the pool file if a test left it."""
+    s = tiering_spec(MemKVTieringOffloadingSpec)
+    yield s
+    if api().scheduler_region(s) is not None:  # the test built the manager
+        s.get_manager().shutdown()
+    if os.path.exists(_pool_path(s)):
+        os.unlink(_pool_path(s))
 
 
+def _kv_caches(page: int, blocks: int = 4) -> Any:
+    """One KV tensor per layer of the spec's group, host memory (the CPU platform's cache)."""
+    tensors = [torch.zeros((blocks, page), dtype=torch.int8) for _ in LAYERS]
+    return CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=page) for t in tensors],
+        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=page)
+                          for i in range(len(LAYERS))]])
+
+
+@pytest.mark.skipif(not api().is_cpu_platform(), reason="builds the CPU platform's worker")
 def test_the_scheduler_unlinks_the_pool_the_worker_created(spec) -> None:
-    a = api()
-    spec, path = spec
-    worker_region = a.open_worker_region(spec, 0)  # what vLLM's worker maps, before the scheduler
+    path = _pool_path(spec)
+    page = spec.cpu_page_size_per_worker // len(LAYERS)
+    kv = _kv_caches(page)
+    kv.tensors[0].tensor[2, :4] = torch.tensor([1, 2, 3, 4], dtype=torch.int8)
+    worker = spec.get_worker(kv)  # what vLLM's worker does first: it creates the pool
+    assert spec.get_worker(kv) is worker
     try:
-        assert worker_region.mmap_path == path and os.path.exists(path)
-        view = a.region_worker_view(worker_region, PAGE)
-        view[3, :4] = view.new_tensor([1, 2, 3, 4])
+        assert os.path.exists(path)
         manager = spec.get_manager()
         assert not os.path.exists(path)  # the name is gone ...
-        pool = np.asarray(a.scheduler_region(spec).create_kv_memoryview())
+        pool = np.asarray(api().scheduler_region(spec).create_kv_memoryview())
+        _copy_block_to_pool(worker, kv, block=2, chunk=3)
         assert pool[3, :4].tobytes() == b"\x01\x02\x03\x04"  # ... and both map the same memory
         assert manager is spec.get_manager()
     finally:
-        worker = type("Worker", (), {"shutdown": lambda self: worker_region.cleanup()})()
-        forget_dropped_name_at_shutdown(worker, worker_region)
         with open(path, "wb"):  # a newer engine with the same engine id
             pass
         worker.shutdown()
     assert os.path.exists(path)  # the old worker's clean-up left the newer file alone
 
 
+def _copy_block_to_pool(worker: Any, kv: Any, block: int, chunk: int) -> None:
+    """Store GPU block `block` into pool row `chunk` through the worker, and wait for it."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    groups = len(kv.group_data_refs)
+    src = GPULoadStoreSpec([block], group_sizes=[1] * groups, block_indices=[0] * groups)
+    assert worker.submit_store(7, src, CPULoadStoreSpec([chunk]))
+    worker.wait({7})
+    assert [api().transfer_outcome(r) for r in worker.get_finished()] == [(7, True)]
+
+
 def test_a_scheduler_that_created_the_pool_keeps_its_name(spec) -> None:
-    spec, path = spec
     spec.get_manager()  # no worker mapped it first: workers may still have to find it by name
-    assert api().scheduler_region(spec).mmap_path == path and os.path.exists(path)
+    region = api().scheduler_region(spec)
+    assert region.mmap_path == _pool_path(spec) and os.path.exists(region.mmap_path)
+
+
+def test_vllms_own_tiering_spec_keeps_its_pool_name() -> None:
+    s = tiering_spec()
+    path = _pool_path(s)
+    worker_region = api().open_worker_region(s, 0)  # a worker created the pool
+    try:
+        manager = s.get_manager()
+        assert os.path.exists(path)  # vLLM alone: the name stays until a clean shutdown
+        manager.shutdown()
+    finally:
+        worker_region.cleanup()
+    assert not os.path.exists(path)  # which removes it, as vLLM does

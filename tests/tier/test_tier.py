@@ -13,7 +13,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 import memkv_vllm
 from memkv_vllm.vllm.compat import api
-from memkv_vllm.vllm.compat.base import TIER_METRICS as METRICS
+from memkv_vllm.vllm.metrics import METRICS
 from memkv_vllm.vllm.tier import MemKVSecondaryTierManager
 
 LR = api().LookupResult
@@ -201,8 +201,8 @@ def test_metrics_are_declared_and_reported(memkv_server, engines) -> None:
     cfg = _cfg(memkv_server.address)
     defs = api().tiering_spec_class().build_metric_definitions(
         {"secondary_tiers": [{"type": "memkv", **cfg}]})
-    for name, _kind, labels, _ in METRICS.values():
-        assert name in defs and tuple(defs[name].labelnames) == labels
+    for m in METRICS.values():
+        assert m.name in defs and tuple(defs[m.name].labelnames) == m.labels
 
     a = engines(cfg)
     keys = [okey(700), okey(701)]
@@ -222,11 +222,11 @@ def test_metrics_are_declared_and_reported(memkv_server, engines) -> None:
                 for lv, v in label_values.items():
                     assert len(lv) == len(defs[name].labelnames)
                     reduced[(name, lv)] = reduced.get((name, lv), 0) + v
-    blocks = METRICS["blocks"][0]
+    blocks = METRICS["blocks"].name
     assert reduced[(blocks, ("store", "ok"))] == 2
     assert reduced[(blocks, ("load", "ok"))] == 2
-    assert reduced[(METRICS["bytes"][0], ("load",))] == 2 * ROW
-    assert reduced[(METRICS["lookups"][0], ("hit",))] >= 2
+    assert reduced[(METRICS["bytes"].name, ("load",))] == 2 * ROW
+    assert reduced[(METRICS["lookups"].name, ("hit",))] >= 2
     # Counters are deltas: a second call without new activity reports no new blocks.
     again = b.tier.get_stats()
     assert again is None or blocks not in again.data["data"]

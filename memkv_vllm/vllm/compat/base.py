@@ -16,51 +16,19 @@ vLLM's imports live here and in the generation modules only (a test scans the pa
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import importlib
+import inspect
 import logging
 import os
+import types
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any, NamedTuple
 
 from memkv_vllm.core.interface import Lookup
 
 logger = logging.getLogger(__name__)
-
-_M = "vllm:kv_offload_memkv_"
-# Metrics of the memkv tier: key -> (name, kind, label names, documentation).
-TIER_METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
-    "lookups": (_M + "lookups", "counter", ("result",),
-                "memkv tier lookups by answer (hit, miss, pending)."),
-    "lookup_timeouts": (_M + "lookup_timeouts", "counter", (),
-                        "memkv lookups answered MISS because the probe passed lookup_timeout_s."),
-    "blocks": (_M + "blocks", "counter", ("op", "result"),
-               "Offloaded chunks moved by the memkv tier (op: load/store; result: ok, failed, "
-               "shed, skipped)."),
-    "bytes": (_M + "bytes", "counter", ("op",), "Bytes moved by the memkv tier."),
-    "store_backlog_bytes": (_M + "store_backlog_bytes", "gauge", (),
-                            "Bytes of queued or in-flight memkv stores."),
-}
-# Offloader.stats() counter -> (metric key, label values)
-_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "lookup_hit": ("lookups", ("hit",)),
-    "lookup_miss": ("lookups", ("miss",)),
-    "lookup_pending": ("lookups", ("pending",)),
-    "lookup_timeouts": ("lookup_timeouts", ()),
-    "load_blocks_ok": ("blocks", ("load", "ok")),
-    "load_blocks_failed": ("blocks", ("load", "failed")),
-    "store_blocks_ok": ("blocks", ("store", "ok")),
-    "store_blocks_failed": ("blocks", ("store", "failed")),
-    "store_blocks_shed": ("blocks", ("store", "shed")),
-    "store_blocks_skipped": ("blocks", ("store", "skipped")),
-    "load_bytes": ("bytes", ("load",)),
-    "store_bytes": ("bytes", ("store",)),
-}
-# Offloader.stats() gauge -> metric key
-_GAUGES = {"store_backlog_bytes": "store_backlog_bytes"}
-
 
 class VllmAdapter(ABC):
     """One vLLM offloading-API generation, seen from memkv_vllm (see the module doc)."""
@@ -94,29 +62,27 @@ class VllmAdapter(ABC):
         except ValueError:
             pass  # already registered (plugins may load more than once per process)
 
-    def replace_builtin_spec(self, spec_name: str, loader: Callable[[], type]) -> None:
-        """Make vLLM's built-in offloading spec `spec_name` resolve to `loader()`.
-
-        vLLM has no public hook to replace a built-in spec (register_spec refuses known names), so
-        this writes the factory's private `_registry`, which maps names to lazy loaders. Raises
-        RuntimeError when that registry is not the expected shape, so that a vLLM that changed it
-        fails loudly here (and in the test that calls this) instead of silently using upstream's
-        worker.
-        """
+    def register_spec(self, spec_name: str, module_path: str, class_name: str) -> None:
+        """Make `spec_name` an offloading spec of vLLM's spec factory (a kv_connector_extra_config
+        "spec_name"), loaded lazily from `module_path`. Idempotent like `register_tier`; a name
+        vLLM already has is left to vLLM (register_spec refuses to replace it)."""
         from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-        registry = getattr(OffloadingSpecFactory, "_registry", None)
-        if not isinstance(registry, dict) or not callable(registry.get(spec_name)):
-            raise RuntimeError(f"vLLM's OffloadingSpecFactory._registry no longer maps "
-                               f"{spec_name!r} to a loader; cannot install the memkv CPU worker")
-        registry[spec_name] = loader
+        try:
+            OffloadingSpecFactory.register_spec(spec_name, module_path, class_name)
+        except ValueError:
+            pass  # already registered
 
-    def resolve_builtin_spec(self, spec_name: str) -> type:
-        """The class vLLM's spec factory resolves the built-in name `spec_name` to (what
-        `replace_builtin_spec` changed)."""
+    def spec_class(self, extra_config: Mapping[str, Any]) -> type:
+        """The spec class vLLM's factory resolves a kv_connector_extra_config to. Its argument is
+        the extra config from 0.26 on, a VllmConfig holding it before (only that is read)."""
         from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-        return OffloadingSpecFactory._registry[spec_name]()
+        get = OffloadingSpecFactory.get_spec_cls
+        if "extra_config" in inspect.signature(get).parameters:
+            return get(dict(extra_config))
+        ktc = types.SimpleNamespace(kv_connector_extra_config=dict(extra_config))
+        return get(types.SimpleNamespace(kv_transfer_config=ktc))
 
     # ------------------------------------------------------------------ tier construction
     def tier_base_kwargs(self, tier_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -269,44 +235,34 @@ class VllmAdapter(ABC):
                         success: bool = True) -> Any:
         """A worker TransferResult. vLLM's OffloadingConnector asserts on success=False (the
         engine stops): only direct mode's plain configuration reports one, for a load that
-        cannot be recomputed (memkv_vllm.direct.worker says why)."""
+        cannot be recomputed (memkv_vllm.direct.load_failures says why)."""
         return self.kvb.TransferResult(job_id=job_id, success=success, transfer_size=nbytes,
                                        transfer_time=seconds)
 
     # ------------------------------------------------------------------ metrics
-    def metric_definitions(self) -> dict[str, Any]:
-        """The tier's metric declarations for build_metric_definitions (front end)."""
+    def metric_definitions(self, metrics: Iterable[Any]) -> dict[str, Any]:
+        """vLLM's declarations (for build_metric_definitions, front end) of `metrics`: objects
+        with `name`, `kind` ("counter" or "gauge"), `labels` and `doc` (memkv_vllm.vllm.metrics)."""
         defs = {}
-        for name, kind, labels, doc in TIER_METRICS.values():
-            meta = self.kvb.OffloadingCounterMetadata if kind == "counter" else (
+        for m in metrics:
+            meta = self.kvb.OffloadingCounterMetadata if m.kind == "counter" else (
                 self.kvb.OffloadingGaugeMetadata)
-            defs[name] = meta(documentation=doc, labelnames=tuple(labels))
+            defs[m.name] = meta(documentation=m.doc, labelnames=tuple(m.labels))
         return defs
 
-    def stats_since(self, now: Mapping[str, int], reported: collections.Counter[str]) -> Any:
-        """An OffloadingConnectorStats with what changed in `now` (Offloader.stats()) since
-        `reported`, which is updated; None when nothing changed. Counters are sent as deltas
-        (vLLM adds them up), gauges when their value changed."""
+    def connector_stats(self, changes: Any) -> Any:
+        """An OffloadingConnectorStats carrying `changes`: `counters` (name, increase, label
+        values), which vLLM adds up, and `gauges` (name, value)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
             OffloadingConnectorStats,
         )
 
         stats = OffloadingConnectorStats()
-        changed = False
-        for counter, (metric, labels) in _COUNTERS.items():
-            value = now.get(counter, 0)
-            if value > reported[counter]:
-                stats.increase_counter(TIER_METRICS[metric][0], value - reported[counter],
-                                       labels)
-                reported[counter] = value
-                changed = True
-        for gauge, metric in _GAUGES.items():
-            value = now.get(gauge, 0)
-            if value != reported["gauge:" + gauge]:
-                stats.set_gauge(TIER_METRICS[metric][0], value)
-                reported["gauge:" + gauge] = value
-                changed = True
-        return stats if changed else None
+        for name, increase, labels in changes.counters:
+            stats.increase_counter(name, increase, labels)
+        for name, value in changes.gauges:
+            stats.set_gauge(name, value)
+        return stats
 
     # ------------------------------------------------------------------ recompute route
     def offloading_connector_class(self) -> type:
@@ -388,19 +344,6 @@ class VllmAdapter(ABC):
         scheduler process, and in a worker before its KV caches are registered."""
         side = getattr(connector, "connector_worker", None)
         return None if side is None else side.worker
-
-    def replace_offloading_worker(self, connector: Any, worker: Any) -> None:
-        """Make an OffloadingConnector's worker side drive `worker` from now on."""
-        connector.connector_worker.worker = worker
-
-    def transfer_outcome(self, result: Any) -> tuple[int, bool]:
-        """(job id, success) of a worker TransferResult."""
-        return int(result.job_id), bool(result.success)
-
-    def transfer_succeeded_empty(self, result: Any) -> Any:
-        """`result` as a success that moved nothing (vLLM's transfer metrics skip a result
-        without size and time)."""
-        return dataclasses.replace(result, success=True, transfer_size=None, transfer_time=None)
 
     def load_failure_policy(self, vllm_config: Any) -> str:
         """The engine's kv_load_failure_policy ("recompute" or "fail", vLLM's default)."""
@@ -485,6 +428,42 @@ class VllmAdapter(ABC):
             region = getattr(getattr(worker, "_store_handler", None), "_mmap_region", None)
         return region
 
+    def pool_file(self, region: Any) -> PoolFile | None:
+        """The file behind a SharedOffloadRegion: its /dev/shm path, the descriptor it is open as
+        and whether this mapping created it (its cleanup() then unlinks the path); None once the
+        region is closed. The creator flag is the region's private `_creator`, the same in
+        0.25-0.33: RuntimeError when a region lacks any of these, so that a vLLM that changed
+        them fails here (and in tests/tier/test_shm_pool.py) instead of unlinking blindly."""
+        missing = [n for n in ("mmap_path", "fd", "_creator") if not hasattr(region, n)]
+        if missing or not isinstance(region._creator, bool):
+            lacks = ", ".join(missing) or "boolean _creator"
+            raise RuntimeError(f"vLLM's {type(region).__name__} has no {lacks} (its shared-file "
+                               "fields changed)")
+        fd = region.fd
+        return None if fd is None else PoolFile(str(region.mmap_path), int(fd), region._creator)
+
+    def keep_name_at_cleanup(self, region: Any) -> None:
+        """Make the region's cleanup() leave its path alone (it unlinks it only as the creator)."""
+        if not isinstance(getattr(region, "_creator", None), bool):
+            raise RuntimeError(f"vLLM's {type(region).__name__} has no _creator flag")
+        region._creator = False
+
+    def call_before_shutdown(self, worker: Any, hook: Callable[[], None]) -> None:
+        """Make `worker.shutdown()` (an OffloadingWorker's last call, which frees what it owns)
+        run `hook()` first. RuntimeError if `worker` is not an OffloadingWorker with a shutdown,
+        so that a vLLM that renamed it fails here instead of never calling the hook."""
+        base = self.kvb.OffloadingWorker
+        if not isinstance(worker, base) or not callable(getattr(base, "shutdown", None)):
+            raise RuntimeError(f"{type(worker).__name__} is not an OffloadingWorker with a "
+                               "shutdown()")
+        shutdown = worker.shutdown
+
+        def shutdown_after_hook() -> None:
+            hook()
+            shutdown()
+
+        worker.shutdown = shutdown_after_hook
+
     def _model_dtype(self, spec: Any) -> str | None:
         vc = getattr(spec, "vllm_config", None)
         if vc is None:
@@ -550,6 +529,14 @@ class VllmAdapter(ABC):
         except ImportError:
             return None
         return None if vc is None else getattr(vc, "model_config", None)
+
+
+class PoolFile(NamedTuple):
+    """The /dev/shm file behind a CPU-pool region (see `VllmAdapter.pool_file`)."""
+
+    path: str
+    fd: int
+    creator: bool
 
 
 @dataclasses.dataclass(frozen=True)

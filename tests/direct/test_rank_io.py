@@ -1,4 +1,5 @@
-"""One worker rank's NIC and scratch medium (memkv_vllm.direct.scratch): the decisions on the
+"""One worker rank's NIC (memkv_vllm.direct.nic), scratch medium (memkv_vllm.direct.scratch) and
+the client and store set up on them (memkv_vllm.direct.rank_io): the decisions on the
 recorded sysfs trees, and the wiring against real servers over TCP and over RDMA (libfabric's
 tcp provider on loopback, which registers host memory only). No GPU needed: a rank "on a GPU"
 here is one whose KV device says cuda, on a host whose process has no CUDA driver loaded."""
@@ -15,14 +16,10 @@ import sysfs_tree
 from memkv_vllm import _native
 from memkv_vllm.core.config import load_config
 from memkv_vllm.core.interface import Status
-from memkv_vllm.direct import scratch
-from memkv_vllm.direct.scratch import (
-    ScratchChoice,
-    choose_scratch,
-    gpu_pci_address,
-    open_rank_io,
-    rank_nic,
-)
+from memkv_vllm.direct import rank_io
+from memkv_vllm.direct.nic import gpu_pci_address, rank_nic
+from memkv_vllm.direct.rank_io import open_rank_io
+from memkv_vllm.direct.scratch import ScratchChoice, choose_scratch
 
 REACH = (True, "provider verbs on mlx5_2 registers GPU memory (FI_HMEM)")
 NO_REACH = (False, "provider tcp on lo registers host memory only (no FI_HMEM)")
@@ -112,7 +109,7 @@ def test_the_gpu_address_comes_from_the_cuda_driver_this_process_loaded() -> Non
 def gpu_at(monkeypatch):
     """``gpu_at(address)``: the rank's GPU is at `address` whatever this host has (None: no
     GPU address), so the wiring reads the same everywhere."""
-    return lambda addr: monkeypatch.setattr(scratch, "gpu_pci_address", lambda ordinal: addr)
+    return lambda addr: monkeypatch.setattr(rank_io, "gpu_pci_address", lambda ordinal: addr)
 
 
 @pytest.mark.parametrize("requested", ["auto", "gpu"])
