@@ -42,7 +42,7 @@ def _gpu_memory(client: Any) -> tuple[bool, str]:
     ask = getattr(client, "gpu_memory", None)
     if ask is None:
         return False, f"{type(client).__name__} moves host memory only"
-    return ask()  # type: ignore[no-any-return]
+    return ask()
 
 
 def open_rank_io(kv_device: Any, requested: str, overrides: Mapping[str, Any],

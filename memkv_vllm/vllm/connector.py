@@ -71,7 +71,7 @@ class RecomputeRoute:
             raise RuntimeError(f"{CONNECTOR_NAME}: this model has {groups} KV-cache groups; "
                                "vLLM recomputes failed loads by block id only for models with "
                                "one group. Use vLLM's OffloadingConnector instead")
-        super().__init__(vllm_config, role, kv_cache_config, *args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(vllm_config, role, kv_cache_config, *args, **kwargs)  # type: ignore[call-arg]  # a mixin: vLLM's connector is next in the MRO
         manager = adapter.offloading_manager(self)
         if manager is not None:  # the scheduler's side
             if not isinstance(manager, LoadErrorListener):

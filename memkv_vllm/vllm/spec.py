@@ -55,7 +55,7 @@ def _close(client: Any) -> None:
             logger.warning("memkv direct: client close failed: %s", e)
 
 
-class MemKVLoadStoreSpec(_BASES.load_store_spec):  # type: ignore[misc,name-defined]
+class MemKVLoadStoreSpec(_BASES.load_store_spec):  # type: ignore[name-defined]  # base made by compat
     """The cluster side of one job: its chunks (block hash, key group) in job order. Crosses
     from the scheduler to the workers by pickle, so it holds plain values only."""
 
@@ -70,7 +70,7 @@ class MemKVLoadStoreSpec(_BASES.load_store_spec):  # type: ignore[misc,name-defi
         return f"MemKVLoadStoreSpec({len(self.chunks)} chunks)"
 
 
-class MemKVOffloadingManager(_BASES.manager):  # type: ignore[misc,name-defined]
+class MemKVOffloadingManager(_BASES.manager):  # type: ignore[name-defined]  # base made by compat
     """Scheduler side: vLLM's OffloadingManager calls, answered by `DirectManager`. Runs on the
     scheduler thread; nothing here raises into vLLM's hot path (a failing lookup is a miss).
     Implements `LoadErrorListener` for the recompute connector."""
@@ -148,7 +148,7 @@ class MemKVOffloadingManager(_BASES.manager):  # type: ignore[misc,name-defined]
         self._client = None
 
 
-class MemKVOffloadingWorker(_BASES.worker):  # type: ignore[misc,name-defined]
+class MemKVOffloadingWorker(_BASES.worker):  # type: ignore[name-defined]  # base made by compat
     """Worker side: vLLM's OffloadingWorker calls, done by `DirectWorker`. Never blocks in
     submit_*, never raises, answers every job once (see memkv_vllm.direct.worker). Each job's
     specs are read once, here; `LoadFailurePolicy` decides what a failed load is reported as, and
@@ -202,7 +202,7 @@ class MemKVOffloadingWorker(_BASES.worker):  # type: ignore[misc,name-defined]
         self._client = None
 
 
-class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[misc,name-defined]
+class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[name-defined]  # base made by compat
     """vLLM offloading spec of direct mode (see the module doc)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -25,7 +25,7 @@ from memkv_vllm.vllm.shm_region import drop_pool_name, forget_dropped_name_at_sh
 _API = api()
 
 
-class MemKVTieringOffloadingSpec(_API.tiering_spec_class()):  # type: ignore[misc]
+class MemKVTieringOffloadingSpec(_API.tiering_spec_class()):  # type: ignore[misc]  # base made by compat
     """vLLM's TieringOffloadingSpec with the two changes of the module doc."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
