@@ -29,8 +29,9 @@ VENV="$ROOT/.venv"
 # Build and test dependencies of .venv; keep in step with pyproject's [test] extra.
 DEPS=(maturin pytest hypothesis ruff attrs pyyaml packaging numpy matplotlib redis hiredis)
 VLLM_VENVS=(.venv-vllm .venv-vllm-0.25)
-# The tests' build of the extension: the wheel's features (pyproject.toml) plus the test peer.
-MATURIN_DEVELOP=(develop --release --features test-peer)
+# The tests' build of the extension: the wheel's features plus the test peer. A --features flag
+# replaces pyproject.toml's [tool.maturin] features instead of adding to them: keep both in step.
+MATURIN_DEVELOP=(develop --release --features pyo3/extension-module,test-peer)
 
 run_rust=1 run_e2e=1 setup_only=0
 PYTEST_ARGS=()

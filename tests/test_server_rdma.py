@@ -104,8 +104,7 @@ def test_peer() -> None:
     """Skips the test when the extension lacks `RdmaTestPeer`."""
     if not hasattr(_native, "RdmaTestPeer"):
         pytest.skip("memkv_vllm._native was built without memkv-py's cargo feature `test-peer` "
-                    "(_native.RdmaTestPeer); bash scripts/test.sh builds it with "
-                    "`maturin develop --release --features test-peer`")
+                    "(_native.RdmaTestPeer), as wheels are; bash scripts/test.sh builds it with")
 
 
 @pytest.fixture
