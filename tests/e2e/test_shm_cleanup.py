@@ -16,7 +16,6 @@ tracker too and leaves them (docs/tier.md); the test removes what its engine lef
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import signal
 import sys
 import time
@@ -33,11 +32,20 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from memkv_procs import MemKVServer  # noqa: E402
 from tier_engine import kv_transfer_config, prompt_text  # noqa: E402
-from vllm_procs import complete, free_port, start_api_server, wait_healthy  # noqa: E402
+from vllm_procs import (  # noqa: E402
+    DELETED,
+    SHM,
+    complete,
+    free_port,
+    group_pids,
+    kill_group_left,
+    shm_mappings,
+    start_api_server,
+    stop_group,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.e2e
-SHM = Path("/dev/shm")
-DELETED = " (deleted)"
 
 
 @pytest.fixture(scope="module")
@@ -48,40 +56,6 @@ def server() -> Iterator[MemKVServer]:
     s = MemKVServer(memory="64M", lanes=1).start()
     yield s
     s.kill()
-
-
-def group_pids(pgid: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getpgid(int(entry.name)) == pgid:
-                    pids.append(int(entry.name))
-            except ProcessLookupError:
-                pass
-    return pids
-
-
-def shm_mappings(pids: list[int]) -> set[str]:
-    """The /dev/shm paths the processes map, as /proc/PID/maps names them."""
-    found: set[str] = set()
-    for pid in pids:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            continue  # exited meanwhile
-        for line in maps.splitlines():
-            fields = line.split(None, 5)
-            if len(fields) == 6 and fields[5].startswith(str(SHM) + "/"):
-                found.add(fields[5])
-    return found
-
-
-def wait_group_gone(pgid: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while group_pids(pgid):
-        assert time.monotonic() < deadline, f"processes of group {pgid} still alive"
-        time.sleep(0.5)
 
 
 @pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL of the process group"])
@@ -112,17 +86,9 @@ def test_the_cpu_pool_leaves_nothing_in_dev_shm(server, model, tmp_path, stop) -
         while server.stats()["puts"] == before:  # stores are asynchronous
             assert time.monotonic() < deadline, "no block reached memkv through the nameless pool"
             time.sleep(0.2)
-        if stop == "SIGTERM":
-            proc.send_signal(signal.SIGTERM)
-        else:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(120)
-        wait_group_gone(proc.pid)
+        stop_group(proc, signal.SIGTERM if stop == "SIGTERM" else signal.SIGKILL)
     finally:
-        if group_pids(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-            wait_group_gone(proc.pid)
+        kill_group_left(proc)
         # What this engine leaves (its pool's name, and the named files its processes mapped)
         # is listed, then removed whatever the outcome: the test must not leak it either.
         named = {m for m in mapped if not m.endswith(DELETED)} | ({pool} if pool else set())
