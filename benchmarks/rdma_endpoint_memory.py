@@ -4,6 +4,10 @@ in this process, both over the same provider.
 
     python benchmarks/rdma_endpoint_memory.py [--connections 32] [--value 1M]
 
+The server side speaks RDMA through `_native.RdmaTestPeer`, which only a module built with
+memkv-py's cargo feature `test-peer` has (as `bash scripts/test.sh` builds it: `maturin develop
+--release --features pyo3/extension-module,test-peer`; a wheel does not).
+
 The server's figure: its RSS (/proc/<pid>/status) after `--connections` TCP connections each
 set up an RDMA endpoint (RDMA_HELLO) and moved one value each way through it, less its RSS
 before, per connection. The client's: this process's RSS after a client with
@@ -150,6 +154,9 @@ def main() -> None:
     p.add_argument("--connections", type=int, default=32)
     p.add_argument("--value", type=size, default=MIB, help="bytes each connection moves")
     a = p.parse_args()
+    if not hasattr(_native, "RdmaTestPeer"):
+        p.error("memkv_vllm._native lacks RdmaTestPeer: build it with memkv-py's feature "
+                "test-peer (bash scripts/test.sh does)")
     server_cost(a)
     client_cost(a)
 

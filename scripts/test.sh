@@ -6,7 +6,9 @@
 #      a Redis Cluster and a Valkey Cluster),
 #      libfabric from apt where it is missing (scripts/setup-libfabric.sh),
 #   2. runs the Rust tests (cargo test --workspace --release in native/),
-#   3. builds the extension and installs memkv-vllm into .venv (maturin develop --release),
+#   3. builds the extension and installs memkv-vllm into .venv (maturin develop --release), with
+#      memkv-py's test-peer feature (`_native.RdmaTestPeer`, which tests/test_server_rdma.py
+#      sends hostile RDMA requests through; a wheel leaves it out),
 #   4. runs pytest on tests/ in .venv (fixtures start real `memkv` servers on free loopback ports;
 #      nothing is started by hand; tests that need vLLM skip themselves there),
 #   5. for each vLLM venv made by scripts/setup-vllm.sh (.venv-vllm, .venv-vllm-0.25) that exists:
@@ -27,6 +29,9 @@ VENV="$ROOT/.venv"
 # Build and test dependencies of .venv; keep in step with pyproject's [test] extra.
 DEPS=(maturin pytest hypothesis ruff mypy attrs pyyaml packaging numpy matplotlib redis hiredis)
 VLLM_VENVS=(.venv-vllm .venv-vllm-0.25)
+# The tests' build of the extension: the wheel's features plus the test peer. A --features flag
+# replaces pyproject.toml's [tool.maturin] features instead of adding to them: keep both in step.
+MATURIN_DEVELOP=(develop --release --features pyo3/extension-module,test-peer)
 
 run_rust=1 run_e2e=1 setup_only=0
 PYTEST_ARGS=()
@@ -36,7 +41,7 @@ while (($#)); do
     --no-e2e) run_e2e=0 ;;
     --setup) setup_only=1 ;;
     --) shift; PYTEST_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "test.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -150,9 +155,9 @@ fi
 # --- 3. build + install -------------------------------------------------------------------------
 # shellcheck disable=SC2329  # invoked through step
 build() {
-  VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" "$VENV/bin/maturin" develop --release
+  VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" "$VENV/bin/maturin" "${MATURIN_DEVELOP[@]}"
 }
-step "maturin develop --release (.venv)" build
+step "maturin develop --release --features test-peer (.venv)" build
 built=1
 # Without the extension the pure-Python tests still run (from the source tree); e2e cannot.
 [[ "${SUMMARY[-1]}" == *FAIL* ]] && built=0
@@ -169,8 +174,10 @@ e2e_in() {  # e2e_in <venv>
   for d in tests/tier tests/e2e tests/test_client_torch.py tests/offload tests/direct; do [[ -e $d ]] && dirs+=("$d"); done
   ((${#dirs[@]})) || { echo "no tests/tier or tests/e2e yet"; return 5; }
   # maturin develop installs editable: the extension lives in the source tree (built above), so
-  # this only refreshes the metadata (entry point for vLLM's plugin loader) in the vLLM venv.
-  VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" "$VENV/bin/maturin" develop --release -q || return 1
+  # this only refreshes the metadata (entry point for vLLM's plugin loader) in the vLLM venv. The
+  # same features as above, or it would rebuild the module without the test peer.
+  VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" "$VENV/bin/maturin" "${MATURIN_DEVELOP[@]}" -q \
+    || return 1
   timeout --kill-after=30 "${E2E_TIMEOUT:-1800}" \
     "$venv/bin/python" -m pytest "${dirs[@]}" -ra "${PYTEST_ARGS[@]}"
 }

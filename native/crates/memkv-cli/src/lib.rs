@@ -2,7 +2,7 @@
 //! console script (which calls `run` through the extension module).
 
 pub mod bench;
-pub mod net;
+mod net;
 pub mod stats_table;
 
 use std::sync::atomic::Ordering;

@@ -1,5 +1,7 @@
-//! `memkv_vllm._native`: the Python face of the Rust client and CLI. It only converts types and
-//! releases the GIL around I/O; behaviour lives in memkv-client and memkv-cli.
+//! `memkv_vllm._native`: the Python face of the Rust client and of memkv-topo's answers for one
+//! GPU. It only converts types and releases the GIL around I/O; behaviour lives in memkv-client
+//! and memkv-topo. It also carries the `memkv` command line (memkv-cli's `run`), because the
+//! wheel's `memkv` console script has no other compiled code to run (see Cargo.toml).
 //!
 //! Buffers cross as (address, length) pairs: torch tensors have no buffer protocol and abi3-py310
 //! has no PyBuffer, so the Python wrapper extracts addresses and passes the owning objects along;
@@ -13,9 +15,11 @@
 //! panic (a bug) into a `RuntimeError` with a clear message instead of pyo3's `PanicException`.
 
 mod keys;
+#[cfg(feature = "test-peer")]
 mod testing;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -464,6 +468,11 @@ fn canonical_server(text: &str) -> PyResult<String> {
     no_panic(|| placement::canonical_server(text))?.map_err(PyValueError::new_err)
 }
 
+/// A malformed address, an unknown device name or an unreadable sysfs, as a ValueError.
+fn topo_error(e: memkv_topo::TopoError) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
 /// Runs the `memkv` command line (argv[0] is the program name) with the GIL released.
 #[pyfunction]
 fn cli_main(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
@@ -491,15 +500,10 @@ fn gpu_scratch_verdict(
     };
     let v = py.detach(|| {
         no_panic(|| {
-            memkv_cli::net::gpu_scratch_verdict(
-                std::path::Path::new(sysfs),
-                gpu,
-                &rdma_devices,
-                reach,
-            )
+            memkv_topo::host::gpu_scratch_verdict(Path::new(sysfs), gpu, &rdma_devices, reach)
         })
     })?;
-    v.map(|v| (v.gpu, v.reason)).map_err(PyValueError::new_err)
+    v.map(|v| (v.gpu, v.reason)).map_err(topo_error)
 }
 
 /// The NIC the rank of the GPU at PCI address `gpu` uses (nearest by PCIe topology among the
@@ -514,10 +518,8 @@ fn nic_for_gpu(
     rdma_devices: Vec<String>,
     sysfs: &str,
 ) -> PyResult<Option<(String, &'static str)>> {
-    py.detach(|| {
-        no_panic(|| memkv_cli::net::nic_for_gpu(std::path::Path::new(sysfs), gpu, &rdma_devices))
-    })?
-    .map_err(PyValueError::new_err)
+    py.detach(|| no_panic(|| memkv_topo::host::nic_for_gpu(Path::new(sysfs), gpu, &rdma_devices)))?
+        .map_err(topo_error)
 }
 
 /// Where the byte at address `ptr` lives: `("host", None)` or `("cuda", device ordinal)`, as the
@@ -544,6 +546,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::Nothing)?.install();
     m.add_class::<PyClient>()?;
     m.add_class::<PyOp>()?;
+    #[cfg(feature = "test-peer")]
     m.add_class::<testing::RdmaTestPeer>()?;
     m.add_function(wrap_pyfunction!(rendezvous, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_server, m)?)?;

@@ -2,6 +2,8 @@
 //! memory, so a test can speak memkv's protocol by hand over RDMA (hostile descriptors, a
 //! client that stops driving its endpoint, one that vanishes mid-transfer) against a real
 //! server. It is memkv-fabric's real path, not a model of it; nothing in memkv_vllm uses it.
+//! Built only with the `test-peer` feature, which `bash scripts/test.sh` enables and a wheel
+//! does not.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -4,6 +4,7 @@
 //! Everything reads below a sysfs root given by the caller (`/sys` on a host), so tests run the
 //! same code over recorded trees. Nothing here touches a device or a fabric library.
 
+pub mod host;
 mod pci;
 mod sysfs;
 
@@ -109,8 +110,20 @@ pub fn device_of_domain(domain: &str) -> &str {
         .unwrap_or(domain)
 }
 
+/// `MEMKV_RDMA_DEVICES`' comma list of device names, blanks dropped.
+pub fn device_list(s: &str) -> Vec<String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .map(String::from)
+        .collect()
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum TopoError {
+    /// A GPU named by a string that is no PCI address; the text says so.
+    #[error("{0}")]
+    Address(String),
     #[error("cannot read sysfs at {path}: {source}")]
     Sysfs {
         path: PathBuf,
@@ -400,6 +413,12 @@ mod tests {
             .all(|p| p.nic.is_none() && p.proximity.is_none()));
         let v = gpu_scratch(&t, "0000:03:00.0".parse().unwrap(), |_| unreachable!());
         assert!(!v.gpu && v.reason.contains("no NIC"), "{}", v.reason);
+    }
+
+    #[test]
+    fn the_device_list_is_the_comma_separated_names_without_blanks() {
+        assert_eq!(device_list(" mlx5_0, ,mlx5_1,"), ["mlx5_0", "mlx5_1"]);
+        assert!(device_list("").is_empty());
     }
 
     #[test]

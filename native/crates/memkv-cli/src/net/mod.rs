@@ -1,14 +1,15 @@
 //! `memkv net`: what an operator runs to see whether a host can move KV bytes over RDMA.
 //! `topo` shows the PCIe topology and the NIC each GPU uses; `selftest` checks the host end to
-//! end.
+//! end. The topology itself (reading sysfs, pairing, the GPU-scratch verdict) is memkv-topo's;
+//! this module shows it and adds what needs libfabric.
 
 mod selftest;
 mod topo;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
-use memkv_topo::{Nic, PciAddr, ScratchVerdict, Topology};
+use memkv_topo::{device_list, Nic, Topology};
 
 #[derive(Args)]
 pub struct NetArgs {
@@ -57,15 +58,6 @@ pub fn run(a: NetArgs) -> Result<i32, String> {
     }
 }
 
-/// `MEMKV_RDMA_DEVICES`' comma list.
-pub fn device_list(s: &str) -> Vec<String> {
-    s.split(',')
-        .map(str::trim)
-        .filter(|n| !n.is_empty())
-        .map(String::from)
-        .collect()
-}
-
 /// Whether the RDMA transport can reach GPU memory through `nic` (Ok: how; Err: why not), for
 /// `memkv net topo`: asks libfabric for a domain of that name that registers GPU memory, as a
 /// client started with `gpu_memory` does.
@@ -73,46 +65,4 @@ fn device_memory(nic: &Nic) -> Result<String, String> {
     let fab = memkv_fabric::Fabric::open_for(None, std::slice::from_ref(&nic.name), true)
         .map_err(|e| format!("libfabric opens no domain {} ({e})", nic.name))?;
     fab.device_memory().map(String::from).map_err(String::from)
-}
-
-/// The NIC (name, and how near: "same PCIe switch", ...) the rank of the GPU at PCI address
-/// `gpu` uses, among the NICs narrowed to `rdma_devices` (empty = all); None when sysfs lists no
-/// GPU there or no NIC. A malformed address, an unknown device name or an unreadable sysfs is
-/// an error.
-pub fn nic_for_gpu(
-    sysfs: &Path,
-    gpu: &str,
-    rdma_devices: &[String],
-) -> Result<Option<(String, &'static str)>, String> {
-    let addr: PciAddr = gpu.parse()?;
-    let topo = Topology::read(sysfs)
-        .and_then(|t| t.narrow(rdma_devices))
-        .map_err(|e| e.to_string())?;
-    Ok(topo
-        .nic_for_gpu(addr)
-        .map(|(n, p)| (n.name.clone(), p.describe())))
-}
-
-/// The answer to direct mode's `memkv_scratch_medium: auto` for the GPU at PCI address `gpu`,
-/// with the NICs narrowed to `rdma_devices` (empty = all), given whether the client's transport
-/// registers GPU memory (`reach`: Ok how, Err why not). A malformed address or an unknown device
-/// name is an error; a host whose sysfs cannot be read gets a "no" with the reason.
-pub fn gpu_scratch_verdict(
-    sysfs: &Path,
-    gpu: &str,
-    rdma_devices: &[String],
-    reach: Result<String, String>,
-) -> Result<ScratchVerdict, String> {
-    let addr: PciAddr = gpu.parse()?;
-    let topo = match Topology::read(sysfs) {
-        Ok(t) => t,
-        Err(e) => {
-            return Ok(ScratchVerdict {
-                gpu: false,
-                reason: e.to_string(),
-            })
-        }
-    };
-    let topo = topo.narrow(rdma_devices).map_err(|e| e.to_string())?;
-    Ok(memkv_topo::gpu_scratch(&topo, addr, |_| reach))
 }

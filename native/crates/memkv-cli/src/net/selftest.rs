@@ -159,7 +159,7 @@ fn describe(t: &Topology) -> String {
 /// The providers of `PROVIDERS` that open a domain with the one-sided endpoints memkv needs;
 /// hardware providers only on the NICs `MEMKV_RDMA_DEVICES` names, when it names any.
 fn providers(source: &TopoSource) -> Vec<Offered> {
-    let named = super::device_list(&source.rdma_devices);
+    let named = memkv_topo::device_list(&source.rdma_devices);
     PROVIDERS
         .iter()
         .filter_map(|&asked| {
