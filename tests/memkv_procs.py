@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -19,6 +21,14 @@ def proc_status(pid: int | str, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def _task_state(task: Path) -> str:
+    """One thread's state letter from /proc/<pid>/task/<tid>/stat ("T": stopped), or "gone"."""
+    try:
+        return task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:  # the thread ended
+        return "gone"
 
 
 def memkv_command() -> list[str]:
@@ -90,6 +100,23 @@ class MemKVServer:
             assert self.proc is not None
             self.proc.kill()
             self.proc.wait(10)
+
+    @contextlib.contextmanager
+    def frozen(self, timeout: float = 20.0) -> Iterator[None]:
+        """SIGSTOP for the `with` block, SIGCONT after: the server answers nothing while its
+        connections stay open. Enters once every thread of it has stopped (the signal is
+        delivered to them one by one), so none still answers a request sent inside."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        try:
+            tasks = Path(f"/proc/{self.proc.pid}/task")
+            deadline = time.monotonic() + timeout
+            while not all(_task_state(t) in ("T", "gone") for t in tasks.iterdir()):
+                assert time.monotonic() < deadline, "memkv serve did not stop"
+                time.sleep(0.005)
+            yield
+        finally:
+            self.proc.send_signal(signal.SIGCONT)
 
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM (graceful drain); returns the exit code."""

@@ -15,7 +15,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memkv_vllm import config as cfgmod
+from memkv_vllm.core import config as cfgmod
 from memkv_vllm.core.config import (
     CONFIG_KEYS,
     ConfigError,

@@ -21,11 +21,12 @@ as the copy ends and a load's scatter started as soon as its values arrived:
 * the I/O thread sleeps in `BlockStore.wait_any` while values are on the network, then takes the
   finished I/O and starts the scatters and the next batches.
 
-Every piece of state, the `BlockStore` included, is touched only under one lock, held for a few
-bookkeeping steps and copy launches and never while waiting, so the store still sees one caller at
-a time (its contract) and `submit_*` / `poll` never wait for the network. `submit_*` gathers the
-first batches on the caller's thread (no thread hop before the first copy); `wait`, `drain` and
-`close` block. No vLLM imports; torch is imported by the movers.
+Every piece of state, the `BlockStore` and the mover included, is touched only under one lock (the
+rule is spelled out on `KVOffloader`), held for a few bookkeeping steps and copy launches and never
+while waiting, so the store still sees one caller at a time (its contract) and `submit_*` / `poll`
+never wait for the network. `submit_*` gathers the first batches on the caller's thread (no thread
+hop before the first copy); `wait`, `drain` and `close` block. No vLLM imports; torch is imported
+by the movers.
 """
 
 from __future__ import annotations
@@ -92,7 +93,23 @@ class _Batch:
 
 class KVOffloader:
     """Block-granular KV offloading over an `Offloader`; owns `store` (closes it, and is the only
-    caller of it from now on)."""
+    caller of it from now on).
+
+    The lock rule: every read or write of the shared state (the job table, the queues, the free
+    slots, the batches copying or on the network, the finished results, the closed flags) and
+    every call into the store or the mover happens while holding `self._changed`, and every
+    change a waiter may be waiting for ends with `notify_all` under it. The public methods take
+    it; the private helpers whose docstring starts with "Under the lock" require the caller to
+    hold it. Outside it are only:
+
+    * what `__init__` fixes before the progress threads start and nothing changes later
+      (geometry, slot size, `mover.io`'s base address, the thread list);
+    * waiting that changes nothing the lock guards: a copy's fence (taken from the batch under the
+      lock) and `BlockStore.wait_any`, which reads only what the store guards itself;
+    * `close`'s release of the mover and the store once `_stopping` is set: from then on the
+      progress threads return before touching either, and new jobs fail unstarted, so `close` is
+      their only caller and may block in them without blocking the lock.
+    """
 
     def __init__(self, kv: PagedKV, store: BlockStore, medium: str = "auto",
                  scratch_bytes: int = 256 << 20, batch_values: int = 4,
@@ -124,9 +141,10 @@ class KVOffloader:
         self._io: dict[int, _Batch] = {}
         self._io_ids = 0
         self._finished: list[JobResult] = []
-        self._closed = False
-        self._stopping = False
-        # One lock for all state; `_changed` wakes the progress threads and the blocking calls.
+        self._closed = False  # new jobs fail unstarted
+        self._stopping = False  # the progress threads return; the store and mover are close's
+        # One lock for all state (the class's lock rule); `_changed` also wakes the progress
+        # threads and the blocking calls.
         self._changed = threading.Condition(threading.Lock())
         self._threads = [threading.Thread(target=fn, name=f"memkv-offload-{name}", daemon=True)
                          for name, fn in (("copies", self._copy_loop), ("io", self._io_loop))]
@@ -177,7 +195,7 @@ class KVOffloader:
             self._advance()
 
     def _fail_unstarted(self, job: _Job) -> None:
-        """Finish a job none of whose entries started: every block failed."""
+        """Under the lock: finish a job none of whose entries started, every block failed."""
         job.failed = [b for e in job.pending for b in e.block_ids]
         job.pending.clear()
         job.open = job.uncopied = 0
@@ -218,16 +236,21 @@ class KVOffloader:
                 if self._stopping:
                     return
                 batch = self._copying[0]
+                fence = batch.fence
             try:
-                batch.fence.wait()  # type: ignore[union-attr]  # outside the lock, without the GIL
+                fence.wait()  # type: ignore[union-attr]  # outside the lock, without the GIL
             except Exception as e:  # a failed copy fails its batch, never this thread
                 with self._changed:
+                    if self._stopping:  # close fails the batch and owns the mover now
+                        return
                     if self._copying and self._copying[0] is batch:
                         self._copying.popleft()
                         self._copy_failed(batch, e)
                     self._advance_logged()
                 continue
             with self._changed:
+                if self._stopping:
+                    return
                 self._advance_logged()
 
     def _io_loop(self) -> None:
@@ -238,20 +261,23 @@ class KVOffloader:
                     self._changed.wait()
                 if self._stopping:
                     return
-            if self._store.wait_any(_IO_WAIT_S):
+            if self._store.wait_any(_IO_WAIT_S):  # outside the lock: it only waits
                 with self._changed:
+                    if self._stopping:  # close owns the store now
+                        return
                     self._advance_logged()
 
     def _advance_logged(self) -> None:
-        """`_advance` on a progress thread: an unexpected error is logged and the thread lives on
-        (the work it hit stays queued for the next wake-up; the caller's timeouts still apply)."""
+        """Under the lock: `_advance` on a progress thread. An unexpected error is logged and the
+        thread lives on (the work it hit stays queued for the next wake-up; the caller's timeouts
+        still apply)."""
         try:
             self._advance()
         except Exception:
             logger.exception("memkv offload: progress step failed")
 
     def _start_next(self) -> bool:
-        """Start the next batch if a slot is free; False if none started."""
+        """Under the lock: start the next batch if a slot is free; False if none started."""
         for is_load in (True, False):  # loads first: a request waits for them
             q = self._queues[is_load]
             if q and self._free:
@@ -266,12 +292,15 @@ class KVOffloader:
         return False
 
     def _ptrs(self, b: _Batch) -> list[int]:
+        """The batch's slots as addresses the store reads and writes."""
         return [self._io_base + s * self.slot_bytes for s in b.slots]
 
     def _sizes(self, b: _Batch) -> list[int]:
+        """The value size of each of the batch's entries."""
         return [self.kv.value_bytes[e.group] for e in b.entries]
 
     def _start(self, b: _Batch) -> None:
+        """Under the lock: a load's batch goes to the network, a store's to the gather."""
         if b.job.is_load:
             self._submit_io(b)
             return
@@ -283,6 +312,7 @@ class KVOffloader:
         self._copying.append(b)
 
     def _copy_failed(self, b: _Batch, e: Exception) -> None:
+        """Under the lock: a gather or scatter that could not run fails its batch."""
         logger.warning("memkv offload: %s for job %d failed: %s",
                        "scatter" if b.job.is_load else "gather", b.job.job_id, e)
         if not b.job.is_load:
@@ -290,6 +320,7 @@ class KVOffloader:
         self._settle(b, [False] * len(b.entries))
 
     def _submit_io(self, b: _Batch) -> None:
+        """Under the lock: hand the batch's slots to the store."""
         self._io_ids += 1
         self._io[self._io_ids] = b
         keys = [e.key for e in b.entries]
@@ -299,6 +330,7 @@ class KVOffloader:
             self._store.submit_store(self._io_ids, keys, self._ptrs(b), self._sizes(b))
 
     def _copied(self, b: _Batch) -> None:
+        """Under the lock: the batch's gather or scatter has passed its fence."""
         if b.job.is_load:  # scattered: the blocks hold the values
             self._settle(b, b.ok)
         else:  # gathered: the blocks are free again, the values go out
@@ -306,6 +338,8 @@ class KVOffloader:
             self._submit_io(b)
 
     def _io_done(self, b: _Batch, c: Completion) -> None:
+        """Under the lock: the store finished the batch's values; a load scatters the ones that
+        arrived (none once its job is abandoned), a store settles."""
         got = set(c.ok_keys)
         lost = b.job.is_load and b.job.abandoned  # its blocks belong to someone else now
         ok = [e.key in got and not lost for e in b.entries]
@@ -326,6 +360,8 @@ class KVOffloader:
         self._copying.append(b)
 
     def _settle(self, b: _Batch, ok: Sequence[bool]) -> None:
+        """Under the lock: account the batch's entries, free its slots, finish a job left with
+        no open entry."""
         job = b.job
         for e, good in zip(b.entries, ok, strict=True):
             if good:
@@ -339,6 +375,7 @@ class KVOffloader:
             self._finish(job)
 
     def _finish(self, job: _Job) -> None:
+        """Under the lock: the job's one result goes to `poll`; wakes the waiters."""
         self._jobs.pop(job.job_id, None)
         self._finished.append(JobResult(
             job.job_id, job.is_load, not job.failed, tuple(job.ok_keys), tuple(job.failed),
@@ -347,8 +384,8 @@ class KVOffloader:
 
     # ----------------------------------------------------------------------------- blocking
     def _settled(self, job_ids: Iterable[int]) -> bool:
-        """True when none of `job_ids` touches its KV blocks any more: loads finished, stores
-        copied out (their values may still be on the way to the cluster)."""
+        """Under the lock: True when none of `job_ids` touches its KV blocks any more: loads
+        finished, stores copied out (their values may still be on the way to the cluster)."""
         for j in job_ids:
             job = self._jobs.get(j)
             if job is not None and (job.open if job.is_load else job.uncopied):
@@ -370,38 +407,42 @@ class KVOffloader:
 
     def prioritize(self, job_ids: Iterable[int]) -> None:
         """Move the listed jobs' unstarted entries ahead of every other job's (someone waits for
-        them). Unknown ids are ignored."""
+        them). Unknown ids are ignored. Starts nothing: a free slot would have been taken."""
         ids = set(job_ids)
-        for q in self._queues.values():
-            first = [j for j in q if j.job_id in ids]
-            if first:
-                rest = [j for j in q if j.job_id not in ids]
-                q.clear()
-                q.extend(first + rest)
+        with self._changed:
+            for q in self._queues.values():
+                first = [j for j in q if j.job_id in ids]
+                if first:
+                    rest = [j for j in q if j.job_id not in ids]
+                    q.clear()
+                    q.extend(first + rest)
 
     def abandon(self, job_ids: Iterable[int]) -> None:
         """Give up on the listed jobs' remaining work, after a `wait` that timed out: entries not
         started fail, and a load writes none of its blocks once its values arrive (its caller
         reuses them). Copies already issued to a device still run. The jobs still finish through
-        `poll`, with the given-up blocks failed."""
-        for j in job_ids:
-            job = self._jobs.get(j)
-            if job is None:
-                continue
-            job.abandoned = True
-            if not job.pending:
-                continue
-            q = self._queues[job.is_load]
-            if job in q:
-                q.remove(job)
-            n = len(job.pending)
-            job.failed.extend(b for e in job.pending for b in e.block_ids)
-            job.pending.clear()
-            job.open -= n
-            if not job.is_load:
-                job.uncopied -= n
-            if job.open == 0:
-                self._finish(job)
+        `poll`, with the given-up blocks failed: at once when nothing of them was in flight.
+        Unknown or finished ids are ignored."""
+        with self._changed:
+            for j in job_ids:
+                job = self._jobs.get(j)
+                if job is None:
+                    continue
+                job.abandoned = True
+                if not job.pending:
+                    continue
+                q = self._queues[job.is_load]
+                if job in q:
+                    q.remove(job)
+                n = len(job.pending)
+                job.failed.extend(b for e in job.pending for b in e.block_ids)
+                job.pending.clear()
+                job.open -= n
+                if not job.is_load:
+                    job.uncopied -= n
+                if job.open == 0:
+                    self._finish(job)
+            self._changed.notify_all()  # a store no longer reading its blocks is settled
 
     def has_pending_jobs(self) -> bool:
         with self._changed:
@@ -415,6 +456,8 @@ class KVOffloader:
                 return
         self.drain(timeout)
         with self._changed:
+            if self._closed:  # a concurrent close got here first and releases everything
+                return
             self._closed = self._stopping = True
             self._changed.notify_all()
         for t in self._threads:

@@ -4,8 +4,6 @@ they are reported as vLLM's selected connector can bear."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import pytest
@@ -140,14 +138,11 @@ def test_wait_gives_up_a_load_stuck_on_a_frozen_server_and_it_never_writes(memkv
     w = worker(memkv_server.address, kv, op_timeout_s=3.0, wait_timeout_s=0.3)
     w.recompute_failed_loads = True
     before = [block(kv, t, b) for t in (0, 1) for b in (8, 9)]
-    os.kill(memkv_server.proc.pid, signal.SIGSTOP)
-    try:
+    with memkv_server.frozen():
         w.submit_load(2, [8, 9], [2], [0], [(b"f", 0)])
         t0 = time.monotonic()
         w.wait({2})  # jumps the queue, then gives up after wait_timeout_s
         assert time.monotonic() - t0 < 2.0
-    finally:
-        os.kill(memkv_server.proc.pid, signal.SIGCONT)
     f = finish(w, 2)  # the value may still arrive: it must not be written any more
     assert f.success and w.take_failed_block_ids() == {8, 9}
     assert [block(kv, t, b) for t in (0, 1) for b in (8, 9)] == before
@@ -169,3 +164,29 @@ def test_a_job_named_in_wait_jumps_the_queue(memkv_server):
     assert [f.job_id for f in done] == [2]  # job 1 still has values waiting for the slot
     assert w.offloader.drain(30) and [f.job_id for f in w.get_finished()] == [1]
     w.shutdown()
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stock", "recompute"])
+def test_a_wait_that_gives_up_queued_loads_raises_nothing_and_answers_them_failed(memkv_server,
+                                                                                   recompute):
+    """Every value of job 2 still waits behind job 1's, stuck on a frozen server, when
+    memkv_wait_timeout_s passes. Giving job 2 up answers it at once as a failed load, and `wait`
+    returns normally (it raised "cannot notify on un-acquired lock" into vLLM's worker)."""
+    kv = kv_cache(seed=7)
+    w = worker(memkv_server.address, kv, slots=1, wait_timeout_s=0.2)
+    try:
+        w.recompute_failed_loads = recompute
+        before = [block(kv, t, b) for t in (0, 1) for b in range(16)]
+        with memkv_server.frozen():
+            w.submit_load(1, [2, 3], [2], [0], [(b"first", 0)])  # the only slot, on the network
+            w.submit_load(2, [8, 9, 10, 11], [4], [0], [(b"a", 0), (b"b", 0)])  # queued behind
+            w.wait({2})
+            (f,) = w.get_finished()
+            assert (f.job_id, f.success, f.nbytes) == (2, recompute, 0)
+            assert w.take_failed_block_ids() == ({8, 9, 10, 11} if recompute else set())
+        assert finish(w, 1).success is recompute  # "first" was never stored: failed too
+        assert w.take_failed_block_ids() == ({2, 3} if recompute else set())
+        assert w.get_finished() == [] and not w.has_pending_jobs()
+        assert [block(kv, t, b) for t in (0, 1) for b in range(16)] == before
+    finally:
+        w.shutdown()

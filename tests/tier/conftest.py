@@ -11,7 +11,7 @@ import os
 if importlib.util.find_spec("vllm") is None:
     collect_ignore_glob = ["test_*.py"]
 else:
-    from memkv_vllm import compat
+    from memkv_vllm.vllm import compat
 
     _forced = os.environ.get("MEMKV_TEST_ADAPTER")
     if _forced:

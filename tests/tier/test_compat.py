@@ -9,8 +9,8 @@ import uuid
 import pytest
 from harness import okey
 
-from memkv_vllm import compat
 from memkv_vllm.core.keys import KeyLayout
+from memkv_vllm.vllm import compat
 from memkv_vllm.vllm.compat import api
 from memkv_vllm.vllm.cpu_worker import cpu_tiering_spec_class, install
 from memkv_vllm.vllm.shm_region import tiering_spec_class

@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from memkv_vllm import cpu_worker
+from memkv_vllm.vllm import cpu_worker
 from memkv_vllm.vllm.compat import api
 from memkv_vllm.vllm.cpu_worker import ThreadedCopyWorker
 

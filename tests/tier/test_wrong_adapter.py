@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from memkv_vllm import compat
+from memkv_vllm.vllm import compat
 
 HERE = pathlib.Path(__file__).parent
 
