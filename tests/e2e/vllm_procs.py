@@ -118,6 +118,43 @@ def executor_queues() -> set[Path]:
     return set(SHM.glob("psm_*")) | set(SHM.glob("sem.mp-*"))
 
 
+def mapped_shm_inodes() -> set[int]:
+    """The inodes of the /dev/shm files some live process maps. By inode, not by name: the
+    process that creates a POSIX semaphore (sem_open) maps it under a temporary name, which is
+    deleted once the file is linked as sem.mp-*, so its maps never show the semaphore's name."""
+    found: set[int] = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            maps = (d / "maps").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        for line in maps.splitlines():
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].startswith(str(SHM) + "/"):
+                found.add(int(fields[4]))
+    return found
+
+
+def remove_orphaned_queues(before: set[Path], ended: float) -> None:
+    """Removes the executor queues made since `before` and before `ended` (time.time() once the
+    engine's processes were gone) that no live process maps: those its killed processes left.
+    The machine's other engines make queues too; theirs are mapped, or newer."""
+    candidates = []
+    for q in executor_queues() - before:
+        try:
+            st = q.stat()
+        except FileNotFoundError:
+            continue
+        if st.st_ctime <= ended:
+            candidates.append((q, st.st_ino))
+    in_use = mapped_shm_inodes()  # after the listing: a queue listed above is mapped by now
+    for q, ino in candidates:
+        if ino not in in_use:
+            q.unlink(missing_ok=True)
+
+
 class EngineProcess:
     """One engine process (and the processes it starts) in a session of its own, its stdout and
     stderr in `log`."""
@@ -160,10 +197,7 @@ class EngineProcess:
             pass
         self.proc.wait()
         wait_group_gone(self.proc.pid, 60)
-        mapped = shm_mappings([int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()])
-        for q in executor_queues() - self._queues_before:
-            if str(q) not in mapped:
-                q.unlink(missing_ok=True)
+        remove_orphaned_queues(self._queues_before, time.time())
 
 
 def start_api_server(model: str, port: int, kv: dict, log: Path) -> EngineProcess:
