@@ -50,6 +50,23 @@ def kv_transfer_config(servers: str, prefix: str, cpu_bytes: int, backend: str =
     }
 
 
+def engine_metrics(llm) -> dict[str, float]:
+    """vLLM's prefix-cache, offload and memkv counters of an offline engine, summed over engines:
+    {name + labels as JSON: value}."""
+    metrics: dict = {}
+    try:
+        for m in llm.get_metrics():
+            if any(s in m.name for s in ("prefix_cache", "kv_offload", "memkv")):
+                v = getattr(m, "value", None)
+                if isinstance(v, int | float):
+                    key = m.name + (json.dumps(m.labels, sort_keys=True) if m.labels else "")
+                    if "engine" not in m.name:
+                        metrics[key] = metrics.get(key, 0) + v
+    except Exception as e:  # metrics are reported, not required
+        metrics["error"] = str(e)
+    return metrics
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -95,17 +112,7 @@ def main() -> int:
     full = llm.generate([prompt], SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                                  ignore_eos=True, logprobs=3), use_tqdm=False)[0]
     time.sleep(args.settle_s)
-    metrics = {}
-    try:
-        for m in llm.get_metrics():
-            if any(s in m.name for s in ("prefix_cache", "kv_offload", "memkv")):
-                v = getattr(m, "value", None)
-                if isinstance(v, int | float):
-                    key = m.name + (json.dumps(m.labels, sort_keys=True) if m.labels else "")
-                    if "engine" not in m.name:
-                        metrics[key] = metrics.get(key, 0) + v
-    except Exception as e:  # metrics are reported, not required
-        metrics["error"] = str(e)
+    metrics = engine_metrics(llm)
     out = full.outputs[0]
     result = {
         "vllm": __import__("vllm").__version__,

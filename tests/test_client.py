@@ -241,7 +241,8 @@ def test_rdma_transport_is_refused_clearly(memkv_server, monkeypatch):
 def test_a_server_on_another_provider_refuses_rdma_and_serves_auto_over_tcp(
         memkv_server_factory, monkeypatch):
     srv = memkv_server_factory(memory="16M", lanes=1,
-                               extra=["--rdma", "--rdma-provider", "sockets"])
+                               extra=["--rdma", "--rdma-provider", "sockets",
+                                      "--shm-socket", "off"])
     monkeypatch.setenv("MEMKV_RDMA_PROVIDER", "tcp")
     c = client_for(srv, transport="rdma")
     assert c.put([b"p"], [b"v"]) == [Status.UNAVAILABLE]

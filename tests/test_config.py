@@ -420,7 +420,7 @@ def test_direct_construction_bad_key_length() -> None:
 # --- transport and devices ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", ["tcp", "rdma", "auto", " TCP ", "Rdma"])
+@pytest.mark.parametrize("value", ["tcp", "rdma", "auto", "shm", " TCP ", "Rdma", "SHM"])
 def test_transport_valid(value: str) -> None:
     assert load_config(env={"MEMKV_TRANSPORT": value}).transport == value.strip().lower()
 
@@ -555,7 +555,7 @@ valid_configs = st.builds(
     MemKVConfig,
     servers=st.lists(_server, min_size=1, max_size=5, unique=True).map(tuple),
     auth_key=st.one_of(st.none(), st.binary(min_size=32, max_size=32)),
-    transport=st.sampled_from(["tcp", "rdma", "auto"]),
+    transport=st.sampled_from(["tcp", "rdma", "auto", "shm"]),
     rdma_devices=st.lists(st.from_regex(r"[a-z0-9_]{1,12}", fullmatch=True), unique=True).map(
         tuple
     ),

@@ -37,7 +37,9 @@ from memkv_vllm.core.config import MemKVConfig
 RDMA_HELLO, FLAG_RDMA = 0x09, 1
 MALFORMED, UNAUTHENTICATED, STALLED = 4, 6, 10
 MIB = 1 << 20
-RDMA_ARGS = ["--rdma", "--rdma-provider", "tcp", "--rdma-devices", "lo"]
+# The same-host path off: `auto` clients of these servers are to take RDMA (or fall back to
+# TCP), not the unix socket a local server serves by default.
+RDMA_ARGS = ["--rdma", "--rdma-provider", "tcp", "--rdma-devices", "lo", "--shm-socket", "off"]
 
 
 def frame(op: int, body: bytes, flags: int = 0) -> bytes:

@@ -13,6 +13,7 @@ under a second, and no client ever reads a byte other than those it stored. All 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import random
 import shutil
@@ -22,7 +23,9 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import pytest
 from memkv_procs import proc_status
 from test_server import EXISTS, GET, HELLO, PUT, header, key_lens, read_frame
@@ -170,19 +173,32 @@ class Soak:
                                          op_timeout_s=1.0, transport=transport,
                                          rdma_devices=("lo",) if transport == "rdma" else ()))
         stored: dict[bytes, tuple[int, int]] = {}  # key -> (version, size) acknowledged
+        # Over the same-host path the values move through a registered memfd region (the
+        # server copies out of its first MiB and into its second), as the tier's pool does.
+        region = None
+        if transport == "shm":
+            fd = os.memfd_create("memkv-soak")
+            os.ftruncate(fd, 2 * MIB)
+            region = np.frombuffer(mmap.mmap(fd, 2 * MIB), dtype=np.uint8)
+            os.close(fd)
+            client.register_buffer(region.ctypes.data, region.nbytes)
 
         def step() -> None:
             key = b"verify/%s/%d" % (tag.encode(), random.randrange(32))
             size = random.choice([4096, 65536, MIB])
             version = stored.get(key, (0, 0))[0] + 1
-            if client.put([key], [value_for(key, version, size)]) == [Status.OK]:
+            src: Any = value_for(key, version, size)
+            if region is not None:
+                region[:size] = np.frombuffer(src, dtype=np.uint8)
+                src = region[:size]
+            if client.put([key], [src]) == [Status.OK]:
                 stored[key] = (version, size)
             else:
                 stored.pop(key, None)  # maybe stored, maybe not: not checked again
             for k, (v, sz) in random.sample(sorted(stored.items()), min(4, len(stored))):
-                buf = bytearray(sz)
+                buf: Any = bytearray(sz) if region is None else region[MIB:MIB + sz]
                 if client.get_into([k], [buf]) == [Status.OK]:
-                    if buf != value_for(k, v, sz):
+                    if bytes(buf) != value_for(k, v, sz):
                         self.fail(f"{tag}: wrong bytes under {k!r}")
                     with self.lock:
                         self.verified += 1
@@ -237,7 +253,7 @@ class Soak:
 def test_soak_and_attack(memkv_server_factory, monkeypatch):
     as_limit = 2 * MEMORY + AS_OVERHEAD
     # Both servers serve RDMA too (libfabric's tcp provider on loopback): one verifier moves its
-    # values by RDMA through the same attacks, stops and kills.
+    # values by RDMA through the same attacks, stops and kills; another by the same-host path.
     monkeypatch.setenv("MEMKV_RDMA_PROVIDER", "tcp")
     rdma = ["--rdma", "--rdma-devices", "lo"]
     srv = memkv_server_factory(
@@ -258,6 +274,7 @@ def test_soak_and_attack(memkv_server_factory, monkeypatch):
         "verify_a": soak.verifier((srv.address,), "a"),
         "verify_ab": soak.verifier((srv.address, other.address), "ab"),
         "verify_rdma": soak.verifier((srv.address, other.address), "rdma", "rdma"),
+        "verify_shm": soak.verifier((srv.address, other.address), "shm", "shm"),
         "probe": soak.prober, "rss": soak.sampler, "stopper": soak.stopper,
     }
     threads = [threading.Thread(target=soak.guarded(n, f), name=n) for n, f in jobs.items()]

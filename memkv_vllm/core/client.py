@@ -306,7 +306,10 @@ class MemKVClient:
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         """Registers [ptr, ptr + nbytes) with the RDMA transport once, as one region its blocks
-        share (`RegisteringClient`); a no-op over TCP. Raises ValueError if the fabric refuses."""
+        share (`RegisteringClient`); a no-op over TCP. With transport shm/auto, memory that is a
+        shared mapping of a memfd or /dev/shm file (the tier's CPU pool) becomes a region local
+        servers copy values into and out of (docs/shm.md); other memory moves over the socket.
+        Raises ValueError if the fabric refuses."""
         self._c.register_buffer(int(ptr), int(nbytes))
 
     def unregister_buffer(self, ptr: int) -> None:

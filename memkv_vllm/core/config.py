@@ -47,8 +47,9 @@ ENV_PREFIX = "MEMKV_"
 CONFIG_ENV = "MEMKV_CONFIG"
 DEFAULT_PORT = 7390
 
-Transport = Literal["tcp", "rdma", "auto"]
-TRANSPORTS: tuple[str, ...] = ("tcp", "rdma", "auto")
+# `shm`: the same-host data path (docs/shm.md); `auto` also takes it for servers on this host.
+Transport = Literal["tcp", "rdma", "auto", "shm"]
+TRANSPORTS: tuple[str, ...] = ("tcp", "rdma", "auto", "shm")
 # Which engine holds the blocks: memkv's own servers, or Redis / Valkey (docs/redis.md).
 Backend = Literal["memkv", "redis"]
 BACKENDS: tuple[str, ...] = ("memkv", "redis")
@@ -73,6 +74,8 @@ NON_CLIENT_ENV: frozenset[str] = frozenset(
         "MEMKV_RDMA_PROVIDER",
         # The libfabric the native code loads (client and server alike).
         "MEMKV_LIBFABRIC",
+        # The same-host path's socket (`memkv serve --shm-socket`; read by the native client).
+        "MEMKV_SHM_SOCKET",
     }
 )
 
@@ -311,7 +314,7 @@ class MemKVConfig:
             f"servers={','.join(self.servers)}",
             f"transport={self.transport}",
         ]
-        if self.transport != "tcp":
+        if self.transport in ("rdma", "auto"):
             parts.append(f"rdma_devices={','.join(self.rdma_devices) or 'all'}")
         parts += [
             f"connections_per_server={self.connections_per_server}",

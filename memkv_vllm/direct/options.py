@@ -33,6 +33,8 @@ class DirectOptions:
     lookup_miss_ttl_s: float = 30.0
     lookup_hit_ttl_s: float = 30.0
     spec_prefix: str = ""
+    # How long the scheduler waits at startup for every rank's key prefix (direct/prefixes.py).
+    prefix_wait_s: float = 10.0
     client_overrides: Mapping[str, Any] = attrs.field(factory=dict)
 
     @property
@@ -94,6 +96,7 @@ def parse_options(extra: Mapping[str, Any]) -> DirectOptions:
         lookup_hit_ttl_s=_seconds("memkv_lookup_hit_ttl", extra.get("memkv_lookup_hit_ttl", 30),
                                   0.0),
         spec_prefix=prefix,
+        prefix_wait_s=_seconds("memkv_prefix_wait_s", extra.get("memkv_prefix_wait_s", 10), 0.0),
         client_overrides={k: v for k, v in extra.items() if k in CONFIG_KEYS},
     )
 
@@ -102,4 +105,5 @@ _KEYS = frozenset({
     "memkv_scratch_medium", "memkv_num_threads", "memkv_scratch_mb_per_thread",
     "memkv_load_threads", "memkv_store_threads", "memkv_wait_timeout_s",
     "memkv_lookup_miss_ttl", "memkv_lookup_hit_ttl", "memkv_spec_prefix",
+    "memkv_prefix_wait_s",
 })

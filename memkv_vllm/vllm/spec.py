@@ -212,21 +212,21 @@ class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[misc,name-defined]
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
         return _API.metric_definitions()
 
-    def _board(self) -> PrefixBoard:
-        return PrefixBoard(self.facts.engine_id)
+    def _board(self, client: Any) -> PrefixBoard:
+        return PrefixBoard(self.facts.engine_id, client, wait_s=self.options.prefix_wait_s)
 
     def get_manager(self) -> MemKVOffloadingManager:
         if self._manager is None:
             f, o = self.facts, self.options
-            prefix = self._board().adopt(f.world_size)
+            store, client, cfg = connect(o.client_overrides, n_read_threads=1,
+                                         n_write_threads=1, hit_ttl_s=o.lookup_hit_ttl_s,
+                                         miss_ttl_s=o.lookup_miss_ttl_s)
+            prefix = self._board(client).adopt(f.world_size)  # a mismatch stops the engine
             ok, why = _API.block_hashes_reproducible()
             if not ok:
                 logger.warning("memkv direct: %s; other engines will compute other block hashes "
                                "and never hit this engine's blocks (set PYTHONHASHSEED to the "
                                "same value everywhere)", why)
-            store, client, cfg = connect(o.client_overrides, n_read_threads=1,
-                                         n_write_threads=1, hit_ttl_s=o.lookup_hit_ttl_s,
-                                         miss_ttl_s=o.lookup_miss_ttl_s)
             self._manager = MemKVOffloadingManager(
                 DirectManager(store, prefix, f.world_size, _API.split_offload_key,
                               lease_client=None if client is None else client.codes,
@@ -262,7 +262,7 @@ class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[misc,name-defined]
             if client is not None:
                 client.close()
             raise
-        self._board().publish(f.rank, layout.prefix)
+        self._board(client).publish(f.rank, layout.prefix)
         logger.info(
             "memkv direct worker rank %d: value %s B per chunk of %d blocks (%d tokens), "
             "scratch medium %s, total scratch %d MiB (%s), key prefix %s, %s; %s", f.rank,

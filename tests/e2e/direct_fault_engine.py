@@ -5,7 +5,7 @@ tests/e2e/test_direct_faults.py (engine A, which fills the cluster, and the engi
 
   python direct_fault_engine.py --model DIR --servers HOST:PORT --out result.json
          --cases '[{"name": "kill", "seeds": [3, 4], "fault": "SIGKILL"}, ...]'
-         [--server-pid PID] [--wait-items N]
+         [--server-pid PID] [--wait-items N] [--final-items N] [--llm-args JSON]
 
 A case's `fault` (SIGKILL or SIGSTOP) is written as a plan for fault_connector.py, which sends it
 to the server (--server-pid) when this engine's worker starts the prompt's loads; its prompts
@@ -102,6 +102,11 @@ def main() -> int:
     ap.add_argument("--cases", required=True)
     ap.add_argument("--server-pid", type=int, default=0)
     ap.add_argument("--wait-items", type=int, default=0)
+    ap.add_argument("--final-items", type=int, default=0,
+                    help="after the last case, wait until the server holds N values (the last "
+                         "prompt's stores are asynchronous, and an engine's exit drops them)")
+    ap.add_argument("--llm-args", default="{}",
+                    help="vllm.LLM keyword arguments over the defaults, as JSON (device choices)")
     args = ap.parse_args()
     cases = json.loads(args.cases)
     plan = Path(os.environ[PLAN_ENV])
@@ -112,8 +117,9 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype="float32", max_model_len=1024, max_num_seqs=4,
-              enforce_eager=True, seed=0, kv_transfer_config=kv_transfer_config())
+    kw = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4, "enforce_eager": True,
+          "seed": 0, **json.loads(args.llm_args)}
+    llm = LLM(model=args.model, kv_transfer_config=kv_transfer_config(), **kw)
     result: dict = {"vllm": __import__("vllm").__version__,
                     "startup_s": time.perf_counter() - t0, "cases": {}}
     # First forward of a process pays one-time costs; shorter than a block: nothing to offload.
@@ -132,6 +138,8 @@ def main() -> int:
                 break
         if i == 0 and args.wait_items:
             wait_items(args.servers, args.wait_items)
+    if args.final_items:
+        wait_items(args.servers, args.final_items)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 

@@ -25,11 +25,9 @@ again).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -40,8 +38,10 @@ pytest.importorskip("vllm", reason="e2e tests need vLLM (use a venv from scripts
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(HERE))
+from fault_procs import run_fault_engine, wait_for  # noqa: E402
 from memkv_procs import MemKVServer  # noqa: E402
-from vllm_procs import engine_env, newest_vllm_only, run_engine_script  # noqa: E402
+from vllm_procs import newest_vllm_only  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 # The connector's per-version parts are exercised on every version by
@@ -55,29 +55,6 @@ PROMPTS = {"evicted": [1], "hit": [2], "frozen": [3], "killed": list(range(4, 12
            "dead": [12]}
 N_VALUES = sum(len(s) for s in PROMPTS.values()) * PROMPT_BLOCKS
 
-
-
-def run_engine(model: str, address: str, work: Path, name: str, cases: list[dict],
-               server_pid: int = 0, wait_items: int = 0, timeout: int = 480) -> dict:
-    """One direct_fault_engine.py process (its own session: whatever it leaves is killed)."""
-    out, plan = work / f"{name}.json", work / f"{name}-plan" / "plan.json"
-    plan.parent.mkdir()
-    env = {**engine_env(),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "DIRECT_FAULT_PLAN": str(plan),
-           # Small client timeouts: a frozen server costs seconds, not the default 10 s per op.
-           "MEMKV_OP_TIMEOUT_S": "2", "MEMKV_CONNECT_TIMEOUT_S": "0.5"}
-    return run_engine_script(HERE / "direct_fault_engine.py",
-                             ["--model", model, "--servers", address, "--cases", json.dumps(cases),
-                              "--server-pid", str(server_pid), "--wait-items", str(wait_items)],
-                             out, timeout, env)
-
-
-def wait_for(cond, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def evict_oldest(server: MemKVServer, n: int) -> None:
@@ -113,7 +90,7 @@ def cluster(model, tmp_path_factory):
     work = tmp_path_factory.mktemp("direct-faults")
     try:
         cases = [{"name": n, "seeds": s} for n, s in PROMPTS.items()]
-        a = run_engine(model, server.address, work, "a", cases, wait_items=PROMPT_BLOCKS)
+        a = run_fault_engine(model, server.address, work, "a", cases, wait_items=PROMPT_BLOCKS)
         wait_for(lambda: server.stats()["items"] == N_VALUES,
                  "engine A's values did not all reach the server")
         cold = {r["seed"]: r for runs in a["cases"].values() for r in runs}
@@ -133,13 +110,13 @@ def engine_b(cluster) -> dict:
     assert server.proc is not None
     faults = {"frozen": "SIGSTOP", "killed": "SIGKILL"}
     cases = [{"name": n, "seeds": s, "fault": faults.get(n)} for n, s in PROMPTS.items()]
-    b = run_engine(cluster["model"], server.address, cluster["work"], "b", cases,
+    b = run_fault_engine(cluster["model"], server.address, cluster["work"], "b", cases,
                    server_pid=server.proc.pid)
     return b["cases"]
 
 
 def test_engine_a_stores_every_prompt_once(cluster) -> None:
-    assert cluster["server"].stats()["puts"] == N_VALUES
+    assert cluster["server"].stats()["puts"] == N_VALUES + 1  # + A's prefix-board entry
     assert all(r["num_cached_tokens"] == 0 for r in cluster["cold"].values())
 
 
@@ -178,7 +155,7 @@ def test_a_dead_server_is_a_miss(cluster, engine_b) -> None:
 
 def test_engine_starts_and_answers_with_the_server_killed_before(cluster, engine_b) -> None:
     assert not cluster["server"].alive()
-    b = run_engine(cluster["model"], cluster["server"].address, cluster["work"], "b2",
+    b = run_fault_engine(cluster["model"], cluster["server"].address, cluster["work"], "b2",
                    [{"name": "hit", "seeds": PROMPTS["hit"]}])
     (run,) = b["cases"]["hit"]
     assert run["num_cached_tokens"] == 0

@@ -16,7 +16,6 @@ tracker too and leaves them (docs/tier.md); the test removes what its engine lef
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import signal
 import sys
 import time
@@ -34,19 +33,20 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from memkv_procs import MemKVServer  # noqa: E402
 from tier_engine import kv_transfer_config, prompt_text  # noqa: E402
 from vllm_procs import (  # noqa: E402
+    DELETED,
     complete,
     executor_queues,
     free_port,
     group_pids,
+    kill_group_left,
     remove_orphaned_queues,
     shm_mappings,
     start_api_server,
-    wait_group_gone,
+    stop_group,
     wait_healthy,
 )
 
 pytestmark = pytest.mark.e2e
-DELETED = " (deleted)"
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +67,13 @@ def test_the_cpu_pool_leaves_nothing_in_dev_shm(server, model, tmp_path, stop) -
     port = free_port()
     before = server.stats()["puts"]
     queues_before = executor_queues()
-    engine = start_api_server(model, port, kv, tmp_path / "api.log")
-    proc = engine.proc
+    with (tmp_path / "api.log").open("w") as log:
+        proc = start_api_server(model, port, kv, log, new_session=True)
     mapped: set[str] = set()
     left: list[str] = []
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_healthy(engine, base)
+        wait_healthy(proc, base)
         complete(base, prompt_text(300))  # the pool is in use: blocks go through it to memkv
         mapped = shm_mappings(group_pids(proc.pid))
         pools = {m.removesuffix(DELETED) for m in mapped
@@ -87,17 +87,9 @@ def test_the_cpu_pool_leaves_nothing_in_dev_shm(server, model, tmp_path, stop) -
         while server.stats()["puts"] == before:  # stores are asynchronous
             assert time.monotonic() < deadline, "no block reached memkv through the nameless pool"
             time.sleep(0.2)
-        if stop == "SIGTERM":
-            proc.send_signal(signal.SIGTERM)
-        else:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(120)
-        wait_group_gone(proc.pid)
+        stop_group(proc, signal.SIGTERM if stop == "SIGTERM" else signal.SIGKILL)
     finally:
-        if group_pids(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-            wait_group_gone(proc.pid)
+        kill_group_left(proc)
         # What this engine leaves (its pool's name, and the named files its processes mapped)
         # is listed, then removed whatever the outcome: the test must not leak it either.
         named = {m for m in mapped if not m.endswith(DELETED)} | ({pool} if pool else set())

@@ -33,7 +33,7 @@ from vllm_procs import (  # noqa: E402
     complete,
     free_port,
     run_engine_script,
-    start_api_server,
+    start_api_engine,
     wait_healthy,
 )
 
@@ -145,7 +145,7 @@ def test_online_engine_reports_the_memkv_hits_in_its_metrics(cluster) -> None:
 
     port = free_port()
     kv = kv_transfer_config(cluster["server"].address, cluster["prefix"], 64 << 20)
-    engine = start_api_server(cluster["model"], port, kv, cluster["work"] / "online.log")
+    engine = start_api_engine(cluster["model"], port, kv, cluster["work"] / "online.log")
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(engine, base)

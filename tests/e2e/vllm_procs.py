@@ -14,10 +14,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 ROOT = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
+DELETED = " (deleted)"  # how /proc/PID/maps names a mapped file whose name is gone
 TAIL_LINES = 60  # of a failed engine's log, in its assertion message
 REPORT_LINES = 400  # of each log of a failed test's own engines, in the test's report
 
@@ -200,24 +203,46 @@ class EngineProcess:
         remove_orphaned_queues(self._queues_before, time.time())
 
 
-def start_api_server(model: str, port: int, kv: dict, log: Path) -> EngineProcess:
+def api_server_command(model: str, port: int, kv: dict, extra: Sequence[str] = ()) -> list[str]:
     """`python -m vllm.entrypoints.openai.api_server` with the memkv tier config `kv`, model name
-    "tiny", in a process group of its own."""
-    return EngineProcess(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4",
-         "--enforce-eager", "--shutdown-timeout", "10", "--kv-transfer-config", json.dumps(kv)],
-        log)
+    "tiny"; `extra` flags come last and override (e.g. another dtype and attention backend)."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4",
+            "--enforce-eager", "--shutdown-timeout", "10", "--kv-transfer-config",
+            json.dumps(kv), *extra]
 
 
-def wait_healthy(engine: EngineProcess, base: str, timeout: float = 300) -> None:
+def start_api_engine(model: str, port: int, kv: dict, log: Path, extra: Sequence[str] = (),
+                     env: Mapping[str, str] | None = None) -> EngineProcess:
+    """The API server (api_server_command) as an EngineProcess, in a process group of its own;
+    `env` replaces engine_env()."""
+    return EngineProcess(api_server_command(model, port, kv, extra), log,
+                         None if env is None else dict(env))
+
+
+def start_api_server(model: str, port: int, kv: dict, log: IO[str],
+                     new_session: bool = False, extra: Sequence[str] = (),
+                     env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """The API server (api_server_command) writing to the open `log`; `new_session` puts it in
+    its own process group (to signal all its processes). `env` replaces engine_env()."""
+    return subprocess.Popen(
+        api_server_command(model, port, kv, extra),
+        env=dict(env) if env is not None else engine_env(), stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=new_session)
+
+
+def wait_healthy(engine: EngineProcess | subprocess.Popen[bytes], base: str,
+                 timeout: float = 300) -> None:
+    proc = engine.proc if isinstance(engine, EngineProcess) else engine
+    log = engine.log if isinstance(engine, EngineProcess) else None
     deadline = time.monotonic() + timeout
     while True:
-        rc = engine.proc.poll()
-        assert rc is None, engine_failed(f"API server exited with rc {rc}", engine.log)
-        assert time.monotonic() < deadline, engine_failed("API server did not come up",
-                                                          engine.log)
+        rc = proc.poll()
+        assert rc is None, engine_failed(f"API server exited with rc {rc}", log) if log else \
+            f"API server exited with rc {rc}; see its log"
+        assert time.monotonic() < deadline, engine_failed("API server did not come up", log) \
+            if log else "API server did not come up"
         try:
             urllib.request.urlopen(base + "/health", timeout=2)
             return
@@ -225,8 +250,8 @@ def wait_healthy(engine: EngineProcess, base: str, timeout: float = 300) -> None
             time.sleep(1)
 
 
-def complete(base: str, prompt: str) -> dict:
-    """One greedy one-token completion; returns its usage."""
+def complete(base: str, prompt: str | list[int]) -> dict:
+    """One greedy one-token completion of a text or of token ids; returns its usage."""
     body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1,
                        "temperature": 0}).encode()
     req = urllib.request.Request(base + "/v1/completions", body,
@@ -235,11 +260,11 @@ def complete(base: str, prompt: str) -> dict:
 
 
 def run_engine_script(script: Path, args: list[str], out: Path, timeout: int = 480,
-                      env: dict[str, str] | None = None) -> dict:
+                      env: Mapping[str, str] | None = None) -> dict:
     """Run `script` (one vLLM engine process that writes its result as JSON to `out`, e.g.
     tests/e2e/direct_engine.py) and return that result; its log is out.log."""
     EngineProcess([sys.executable, str(script), *args, "--out", str(out)],
-                  out.with_suffix(".log"), env).finish(timeout)
+                  out.with_suffix(".log"), None if env is None else dict(env)).finish(timeout)
     return json.loads(out.read_text())
 
 
@@ -258,3 +283,22 @@ def newest_vllm_only(what: str) -> None:
     if Version(vllm.__version__.split("+")[0]) < Version("0.32"):
         pytest.skip(f"{what} runs on vLLM 0.32+ only by default (MEMKV_E2E_EVERY_VERSION=1 runs it "
                     "on every version)", allow_module_level=True)
+
+
+def stop_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """Stop an engine started in its own session: SIGTERM to its leader (a graceful shutdown), or
+    SIGKILL to its whole process group; returns once every process of the group is gone."""
+    if sig == signal.SIGKILL:
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        proc.send_signal(sig)
+    proc.wait(120)
+    wait_group_gone(proc.pid)
+
+
+def kill_group_left(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL whatever is left of an engine's process group (a test's cleanup)."""
+    if group_pids(proc.pid):
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        wait_group_gone(proc.pid)

@@ -63,8 +63,10 @@ pub struct BenchArgs {
     plot: Option<std::path::PathBuf>,
     /// `rdma`: also measure memkv over the RDMA data path (the server's one-sided reads and
     /// writes of the bench's registered buffers), printed beside the TCP figures. The
-    /// in-process server then serves RDMA; an external one needs --rdma.
-    #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
+    /// in-process server then serves RDMA; an external one needs --rdma. `shm`: also measure
+    /// the same-host path (the server's copies into and out of the bench's memfd buffers over
+    /// its unix socket), printed beside the TCP figures with its share of the row's memcpy.
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma", "shm"])]
     transport: String,
     #[command(flatten)]
     rdma: crate::RdmaArgs,
@@ -250,18 +252,22 @@ fn memkv_point(
 ) -> Result<f64, String> {
     let per_request = w.batch * size;
     let requests = ((volume / per_request as u64) as usize / threads).max(1);
-    let bufs: Vec<Vec<Vec<u8>>> = (0..threads)
-        .map(|th| (0..w.batch).map(|_| touched(size, th as u8)).collect())
+    let mem = PointMemory::new(client, threads * w.batch * size)?;
+    // Built once: the same buffers serve every request of a thread.
+    let bufs: Vec<Vec<Buf>> = (0..threads)
+        .map(|th| {
+            (0..w.batch)
+                .map(|j| mem.buf((th * w.batch + j) * size, size))
+                .collect()
+        })
         .collect();
     let t = Instant::now();
     let failed: Vec<Vec<Status>> = std::thread::scope(|sc| {
         let hs: Vec<_> = bufs
             .into_iter()
             .enumerate()
-            .map(|(th, mut bufs)| {
+            .map(|(th, b)| {
                 sc.spawn(move || -> Option<Vec<Status>> {
-                    // Built once: the same buffers serve every request of this thread.
-                    let b: Vec<Buf> = bufs.iter_mut().map(|v| Buf::of_mut(v)).collect();
                     for i in 0..requests {
                         let keys: Vec<Vec<u8>> = (0..w.batch)
                             .map(|j| {
@@ -290,10 +296,63 @@ fn memkv_point(
             .collect()
     });
     let elapsed = t.elapsed();
+    drop(mem);
     if let Some(st) = failed.first() {
         return Err(point_failed(size, threads, w, put, st));
     }
     Ok(gbps((requests * threads * per_request) as u64, elapsed))
+}
+
+/// The buffers of a memkv point, every page written (no first-touch faults in the timing): a
+/// memfd mapping registered with the client when it uses the shared-memory transport (the
+/// server copies into and out of it), else heap memory.
+struct PointMemory<'a> {
+    client: &'a Client,
+    heap: Vec<u8>,
+    shared: Option<memkv_client::shm_regions::SharedMemory>,
+}
+
+impl<'a> PointMemory<'a> {
+    fn new(client: &'a Client, len: usize) -> Result<PointMemory<'a>, String> {
+        if client.config().transport != TransportChoice::Shm {
+            return Ok(PointMemory {
+                client,
+                heap: touched(len, 0x5a),
+                shared: None,
+            });
+        }
+        let m = memkv_client::shm_regions::SharedMemory::new("memkv-bench", len)
+            .map_err(|e| format!("memfd for the shm bench: {e}"))?;
+        // SAFETY: the mapping is ours and `len` bytes long.
+        unsafe { std::ptr::write_bytes(m.ptr() as *mut u8, 0x5a, len) };
+        // SAFETY: the mapping stays until this PointMemory drops, after unregistering it.
+        unsafe { client.register_memory(m.ptr(), len)? };
+        Ok(PointMemory {
+            client,
+            heap: Vec::new(),
+            shared: Some(m),
+        })
+    }
+
+    fn buf(&self, off: usize, len: usize) -> Buf {
+        let base = match &self.shared {
+            Some(m) => m.ptr(),
+            None => self.heap.as_ptr() as usize,
+        };
+        Buf {
+            ptr: base + off,
+            len,
+        }
+    }
+}
+
+impl Drop for PointMemory<'_> {
+    fn drop(&mut self) {
+        if let Some(m) = &self.shared {
+            // Unmapped when `shared` drops, right after.
+            self.client.unregister_memory(m.ptr());
+        }
+    }
 }
 
 /// Why a memkv measurement could not complete, with what to change.
@@ -520,6 +579,7 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         .collect::<Result<_, _>>()?;
     let max_threads = a.threads.iter().copied().max().unwrap_or(1);
     let with_rdma = a.transport == "rdma";
+    let with_shm = a.transport == "shm";
     let mut _server = None;
     let servers = match &a.servers {
         Some(s) => s.clone(),
@@ -557,6 +617,18 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                     transport: TransportChoice::Rdma,
                     rdma_provider: a.rdma.rdma_provider.clone(),
                     rdma_devices: a.rdma.rdma_devices.clone(),
+                    ..ClientConfig::default()
+                },
+            )
+        })
+        .transpose()?;
+    let shm_client = with_shm
+        .then(|| {
+            conn.client_over(
+                1,
+                max_threads,
+                ClientConfig {
+                    transport: TransportChoice::Shm,
                     ..ClientConfig::default()
                 },
             )
@@ -623,8 +695,11 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         } else {
             ""
         },
-        if with_rdma { " rdma-put rdma-get" } else { "" }
+        if with_rdma { " rdma-put rdma-get" } else { "" },
     );
+    if with_shm {
+        println!("{:>61}shm-put shm-get  put/memcpy get/memcpy", "");
+    }
     let mut summary = Summary::default();
     let mut rows = Vec::new();
     for &size in &sizes {
@@ -642,8 +717,8 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                 Ok(r)
             };
             // Per round: the one-stream and per-thread ceilings ([whole, pieces] each), then
-            // memkv put, get, Redis set, get, memkv over RDMA put, get.
-            let mut rounds: Vec<([f64; 2], [f64; 2], [f64; 6])> = Vec::with_capacity(rep);
+            // memkv put, get, Redis set, get, memkv over RDMA put, get, over shm put, get.
+            let mut rounds: Vec<([f64; 2], [f64; 2], [f64; 8])> = Vec::with_capacity(rep);
             for _ in 0..rep {
                 let one = tcp(1)?;
                 let many = if th == 1 { one } else { tcp(th)? };
@@ -666,11 +741,19 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                         Some(c) => memkv_point(c, size, th, &w, volume, false)?,
                         None => 0.0,
                     },
+                    match &shm_client {
+                        Some(c) => memkv_point(c, size, th, &w, volume, true)?,
+                        None => 0.0,
+                    },
+                    match &shm_client {
+                        Some(c) => memkv_point(c, size, th, &w, volume, false)?,
+                        None => 0.0,
+                    },
                 ];
                 rounds.push((one, many, systems));
             }
             let best_of = |k: usize| rounds.iter().map(|r| r.2[k]).fold(0.0, f64::max);
-            let [p, g, rp, rg, dp, dg] = [0, 1, 2, 3, 4, 5].map(best_of);
+            let [p, g, rp, rg, dp, dg, sp, sg] = [0, 1, 2, 3, 4, 5, 6, 7].map(best_of);
             let one: Vec<[f64; 2]> = rounds.iter().map(|r| r.0).collect();
             let many: Vec<[f64; 2]> = rounds.iter().map(|r| r.1).collect();
             let (tcp, tcp_n) = (ceiling(&one), ceiling(&many));
@@ -696,13 +779,23 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                 line += &format!(" {dp:>8.2} {dg:>8.2}");
             }
             println!("{line}");
+            if with_shm {
+                println!(
+                    "{:>61}{sp:>7.2} {sg:>7.2} {:>10.0}% {:>9.0}%",
+                    "",
+                    pct(sp, mc),
+                    pct(sg, mc)
+                );
+            }
             let redis_gbps = |x: f64| redis.as_ref().map(|_| x);
             let rdma_gbps = |x: f64| with_rdma.then_some(x);
+            let shm_gbps = |x: f64| with_shm.then_some(x);
             rows.push(serde_json::json!({
                 "size": size, "label": size_label(size), "threads": th, "memcpy": mc,
                 "tcp": tcp, "tcp_per_thread": tcp_n, "put": p, "get": g,
                 "redis_set": redis_gbps(rp), "redis_get": redis_gbps(rg),
                 "rdma_put": rdma_gbps(dp), "rdma_get": rdma_gbps(dg),
+                "shm_put": shm_gbps(sp), "shm_get": shm_gbps(sg),
             }));
             if a.show_rounds {
                 let each: Vec<String> = rounds
@@ -714,6 +807,9 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                         );
                         if with_rdma {
                             r += &format!(" rdma-put {:.2} rdma-get {:.2}", x[4], x[5]);
+                        }
+                        if with_shm {
+                            r += &format!(" shm-put {:.2} shm-get {:.2}", x[6], x[7]);
                         }
                         r
                     })

@@ -89,8 +89,49 @@ struct ServeArgs {
     /// --memory, within 64M..1G].
     #[arg(long)]
     max_buffer_memory: Option<String>,
+    /// The same-host data path's unix socket: `auto` (the abstract name memkv/IP:PORT of
+    /// --listen, which clients with transport shm/auto find by themselves), `@NAME` (an
+    /// abstract name of one's own), a file PATH (removed at exit; clients name it with
+    /// MEMKV_SHM_SOCKET), or `off`.
+    #[arg(
+        long,
+        env = "MEMKV_SHM_SOCKET",
+        hide_env_values = true,
+        default_value = "auto"
+    )]
+    shm_socket: String,
+    /// Client memory regions one same-host connection may have mapped at once.
+    #[arg(long, default_value_t = 64)]
+    max_shm_regions: usize,
+    /// Largest client memory region mapped (e.g. 64G).
+    #[arg(long, default_value = "1T")]
+    max_shm_region: String,
+    /// Client memory mapped at once over all same-host connections (address space only: the
+    /// pages are the clients').
+    #[arg(long, default_value = "16T")]
+    max_shm_mapped: String,
     #[command(flatten)]
     rdma: RdmaArgs,
+}
+
+/// The same-host data path of `memkv serve`, from its flags.
+fn shm_config(a: &ServeArgs) -> Result<Option<memkv_server::shm::ShmConfig>, String> {
+    use memkv_server::shm::{ShmConfig, ShmSocket};
+    let socket = match a.shm_socket.as_str() {
+        "off" => return Ok(None),
+        "auto" | "" => ShmSocket::Default,
+        s => match s.strip_prefix('@') {
+            Some(name) => ShmSocket::Abstract(name.to_string()),
+            None => ShmSocket::Path(s.into()),
+        },
+    };
+    let size = |flag: &str, v: &str| parse_size(v).map_err(|e| format!("{flag}: {e}"));
+    Ok(Some(ShmConfig {
+        socket,
+        max_regions: a.max_shm_regions,
+        max_region_bytes: size("--max-shm-region", &a.max_shm_region)?,
+        max_mapped_bytes: size("--max-shm-mapped", &a.max_shm_mapped)?,
+    }))
 }
 
 /// The RDMA data path's settings, shared by `serve` and `bench`.
@@ -280,6 +321,7 @@ fn serve(a: ServeArgs) -> Result<i32, String> {
         .map(parse_auth_key)
         .transpose()
         .map_err(|e| format!("--auth-key: {e}"))?;
+    let shm = shm_config(&a)?;
     let cfg = ServerConfig {
         listen: a.listen.clone(),
         memory,
@@ -293,6 +335,7 @@ fn serve(a: ServeArgs) -> Result<i32, String> {
         min_rate,
         buffer_budget,
         rdma: a.rdma.server_config(),
+        shm,
         ..ServerConfig::default()
     };
     let server = Server::start(cfg).map_err(|e| format!("cannot start on {}: {e}", a.listen))?;

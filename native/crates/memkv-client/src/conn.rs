@@ -10,34 +10,9 @@ use std::time::Instant;
 
 use memkv_proto::{self as proto, ErrorCode, Header, HelloReply, Opcode, HEADER_LEN};
 
-use crate::transport::{Link, Transport};
+use crate::buf::Buf;
+use crate::transport::{Described, Link, Setup, Transport};
 use crate::Status;
-
-/// A caller buffer: raw address and length. Callers guarantee it stays valid (and, for GET,
-/// unaliased) until the operation using it returns.
-#[derive(Debug, Clone, Copy)]
-pub struct Buf {
-    pub ptr: usize,
-    pub len: usize,
-}
-
-impl Buf {
-    /// A buffer the client reads from (a PUT's value).
-    pub fn of(v: &[u8]) -> Buf {
-        Buf {
-            ptr: v.as_ptr() as usize,
-            len: v.len(),
-        }
-    }
-
-    /// A buffer the client writes into (a GET's destination).
-    pub fn of_mut(v: &mut [u8]) -> Buf {
-        Buf {
-            ptr: v.as_mut_ptr() as usize,
-            len: v.len(),
-        }
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnError {
@@ -52,8 +27,12 @@ pub enum ConnError {
     },
     #[error("server requires an auth key and none is configured (set MEMKV_AUTH_KEY)")]
     AuthRequired,
-    #[error("transport 'rdma': the server refused RDMA: {0}")]
-    RdmaRefused(String),
+    #[error("transport '{transport}': the server refused {medium}: {why}")]
+    OneSidedRefused {
+        transport: &'static str,
+        medium: &'static str,
+        why: String,
+    },
 }
 
 impl ConnError {
@@ -67,7 +46,7 @@ impl ConnError {
             },
             ConnError::Proto(_) => Status::ProtocolError,
             ConnError::AuthRequired => Status::AuthFailed,
-            ConnError::RdmaRefused(_) => Status::Unavailable,
+            ConnError::OneSidedRefused { .. } => Status::Unavailable,
             ConnError::Server { code, .. } => match code {
                 Some(ErrorCode::Unauthenticated | ErrorCode::AuthFailed) => Status::AuthFailed,
                 Some(ErrorCode::TooLarge) => Status::TooLarge,
@@ -135,20 +114,25 @@ impl Conn {
             let key = auth_key.ok_or(ConnError::AuthRequired)?;
             c.call(Opcode::Auth, &proto::auth_mac(key, &hello.nonce), &[])?;
         }
-        if let Some(side) = c.link.rdma() {
-            let (strict, body) = (
-                side.strict,
-                proto::encode_rdma_hello(side.hello_name(), &side.name()?),
-            );
-            let (_, rb) = c.call(Opcode::RdmaHello, &body, &[])?;
-            let (accepted, why) = proto::decode_rdma_hello_reply(&rb)?;
+        let hello = match c.link.one_sided() {
+            Some(side) => side.hello()?,
+            None => None,
+        };
+        if let Some(setup) = hello {
+            let (accepted, why) = c.setup(setup)?;
+            let side = c.link.one_sided().expect("it sent the hello");
             if !accepted {
-                if strict {
-                    return Err(ConnError::RdmaRefused(why));
+                let (transport, medium) = (side.transport(), side.medium());
+                if side.strict() {
+                    return Err(ConnError::OneSidedRefused {
+                        transport,
+                        medium,
+                        why,
+                    });
                 }
                 tracing::info!(server = %addr, reason = %why,
-                    "memkv transport 'auto': the server refused RDMA; values go over TCP");
-                c.link.drop_rdma();
+                    "memkv transport 'auto': the server refused {medium}; values go over the stream");
+                c.link.drop_one_sided();
             }
         }
         Ok(c)
@@ -240,8 +224,8 @@ impl Conn {
     }
 
     pub fn put(&mut self, keys: &[&[u8]], bufs: &[Buf]) -> Result<Vec<Status>, ConnError> {
-        if self.link.rdma().is_some() {
-            return self.rdma_call(Opcode::Put, keys, bufs);
+        if let Some(d) = self.one_sided(bufs)? {
+            return self.one_sided_call(Opcode::Put, keys, bufs, d);
         }
         let lens: Vec<u64> = bufs.iter().map(|b| b.len as u64).collect();
         let (_, body) = self.call(Opcode::Put, &proto::encode_key_lens(keys, &lens), bufs)?;
@@ -253,8 +237,8 @@ impl Conn {
     /// bytes. An error while an Ok value is arriving (deadline, broken link) leaves that one
     /// buffer partly written; it is never written after this returns.
     pub fn get(&mut self, keys: &[&[u8]], bufs: &[Buf]) -> Result<Vec<Status>, ConnError> {
-        if self.link.rdma().is_some() {
-            return self.rdma_call(Opcode::Get, keys, bufs);
+        if let Some(d) = self.one_sided(bufs)? {
+            return self.one_sided_call(Opcode::Get, keys, bufs, d);
         }
         let lens: Vec<u64> = bufs.iter().map(|b| b.len as u64).collect();
         let (h, body) = self.call(Opcode::Get, &proto::encode_key_lens(keys, &lens), &[])?;
@@ -289,53 +273,80 @@ impl Conn {
 }
 
 impl Conn {
-    /// PUT or GET over RDMA: descriptors of the caller's buffers go in the request and the
-    /// server moves the bytes before it replies. Any failure without a reply revokes the
-    /// buffers' registrations and closes the endpoint before returning (see `crate::rdma`).
-    fn rdma_call(
+    /// Sends a one-sided side's setup request (with its descriptor, if any) and returns the
+    /// server's answer: accepted, and why not.
+    fn setup(&mut self, s: Setup) -> Result<(bool, String), ConnError> {
+        if let Some(fd) = s.fd {
+            self.link.pass_fd(fd)?;
+        }
+        let (_, rb) = self.call(s.op, &s.body, &[])?;
+        Ok(proto::decode_rdma_hello_reply(&rb)?)
+    }
+
+    /// The flag and descriptors of a one-sided transfer of `bufs`, after the setups it needs;
+    /// None when the link has no one-sided side or it cannot name every buffer (the values
+    /// then go over the stream).
+    fn one_sided(&mut self, bufs: &[Buf]) -> Result<Option<(u32, Described)>, ConnError> {
+        let Some(side) = self.link.one_sided() else {
+            return Ok(None);
+        };
+        for s in side.setups(bufs) {
+            let tag = s.tag;
+            let (accepted, why) = self.setup(s)?;
+            if let Some(side) = self.link.one_sided() {
+                side.answered(tag, accepted, &why);
+            }
+        }
+        let Some(side) = self.link.one_sided() else {
+            return Ok(None);
+        };
+        Ok(side.describe(bufs)?.map(|d| (side.flag(), d)))
+    }
+
+    /// PUT or GET by the server's one-sided transfers: descriptors of the caller's buffers go
+    /// in the request and the server moves the bytes before it replies. Any failure without a
+    /// reply revokes the server's access to the buffers before returning (`OneSided::revoke`).
+    fn one_sided_call(
         &mut self,
         op: Opcode,
         keys: &[&[u8]],
         bufs: &[Buf],
+        (flag, described): (u32, Described),
     ) -> Result<Vec<Status>, ConnError> {
-        let side = self.link.rdma().expect("checked by the caller");
-        let (descs, held) = side.describe(bufs)?;
-        let body = proto::encode_descriptors(keys, &descs);
-        let r = self
-            .call_flagged(op, proto::FLAG_RDMA, &body, &[])
-            .and_then(|(h, rb)| {
-                if h.payload_len != 0 {
-                    return Err(proto::ProtoError::Malformed("payload in an RDMA reply").into());
+        let body = proto::encode_descriptors(keys, &described.descs);
+        let r = self.call_flagged(op, flag, &body, &[]).and_then(|(h, rb)| {
+            if h.payload_len != 0 {
+                return Err(proto::ProtoError::Malformed("payload in a one-sided reply").into());
+            }
+            let st: Vec<Status> = if op == Opcode::Put {
+                statuses(proto::decode_statuses(&rb, keys.len())?)
+            } else {
+                let sl = proto::decode_status_lens(&rb, keys.len())?;
+                if sl
+                    .iter()
+                    .zip(bufs)
+                    .any(|((s, n), b)| *s == proto::Status::Ok && *n != b.len as u64)
+                {
+                    return Err(proto::ProtoError::Malformed(
+                        "GET reply length differs from request",
+                    )
+                    .into());
                 }
-                let st: Vec<Status> = if op == Opcode::Put {
-                    statuses(proto::decode_statuses(&rb, keys.len())?)
-                } else {
-                    let sl = proto::decode_status_lens(&rb, keys.len())?;
-                    if sl
-                        .iter()
-                        .zip(bufs)
-                        .any(|((s, n), b)| *s == proto::Status::Ok && *n != b.len as u64)
-                    {
-                        return Err(proto::ProtoError::Malformed(
-                            "GET reply length differs from request",
-                        )
-                        .into());
-                    }
-                    sl.into_iter().map(|(s, _)| s.into()).collect()
-                };
-                Ok(st)
-            });
+                sl.into_iter().map(|(s, _)| s.into()).collect()
+            };
+            Ok(st)
+        });
         match r {
             Ok(st) => {
                 self.spent = st.contains(&Status::RemoteAccess);
-                drop(held);
+                drop(described.held);
                 Ok(st)
             }
             Err(e) => {
-                if let Some(side) = self.link.rdma() {
+                if let Some(side) = self.link.one_sided() {
                     side.revoke(bufs);
                 }
-                drop(held);
+                drop(described.held);
                 Err(e)
             }
         }

@@ -13,11 +13,14 @@
 //! later GET returns exactly these bytes or a miss, never other bytes). Every other status means
 //! not stored.
 
+pub mod buf;
 pub mod conn;
 pub mod exec;
 pub mod placement;
 pub mod pool;
 pub mod rdma;
+pub mod shm;
+pub mod shm_regions;
 pub mod status;
 pub mod transport;
 
@@ -26,7 +29,7 @@ use std::time::{Duration, Instant};
 
 pub use memkv_fabric::{memory, Memory};
 
-pub use conn::Buf;
+pub use buf::Buf;
 use conn::{Conn, ConnError};
 pub use exec::{Executor, Op, OpResult};
 pub use pool::{Failure, Health};
@@ -42,10 +45,15 @@ pub enum TransportChoice {
     /// RDMA only: client creation fails when libfabric or its provider cannot be opened, and
     /// a connection fails when its server refuses RDMA.
     Rdma,
-    /// RDMA when libfabric and a provider open (else TCP, with one log line saying why); a
-    /// server that refuses RDMA gets that connection's values over TCP. Without a named
-    /// provider only RDMA hardware ones are tried (`AUTO_PROVIDERS`).
+    /// A server on this host whose same-host socket answers gets the shared-memory transport
+    /// (not when GPU memory is asked for: it moves host memory only). Otherwise RDMA when
+    /// libfabric and a provider open (else TCP, with one log line saying why); a server that
+    /// refuses RDMA gets that connection's values over TCP. Without a named provider only RDMA
+    /// hardware ones are tried (`AUTO_PROVIDERS`).
     Auto,
+    /// The shared-memory transport only (`crate::shm`): a connection fails when its server is
+    /// not on this host or its same-host socket does not answer.
+    Shm,
 }
 
 /// Providers `auto` tries when none is named: those that drive RDMA hardware. libfabric lists
@@ -196,6 +204,8 @@ pub struct Client {
     registrations: Option<Arc<memkv_fabric::MrCache>>,
     /// The libfabric provider values move through; None over TCP.
     rdma_provider: Option<String>,
+    /// Registered memory the shared-memory transport can hand servers, when it may be used.
+    shm_regions: Option<Arc<shm_regions::Regions>>,
 }
 
 impl Client {
@@ -219,8 +229,27 @@ impl Client {
         });
         let mut registrations = None;
         let mut rdma_provider = None;
+        // MEMKV_SHM_SOCKET names the same-host socket (`@name` abstract, else a path) when the
+        // server's is not the one derived from its address (`memkv serve --shm-socket` reads
+        // the same variable; its `auto` and `off` leave the derived name).
+        let shm_socket = std::env::var("MEMKV_SHM_SOCKET")
+            .ok()
+            .filter(|p| !matches!(p.as_str(), "" | "auto" | "off"));
+        let shm_regions = matches!(cfg.transport, TransportChoice::Shm)
+            || (cfg.transport == TransportChoice::Auto && !cfg.gpu_memory);
+        let shm_regions = shm_regions.then(|| Arc::new(shm_regions::Regions::default()));
         let transport: Arc<dyn Transport> = match cfg.transport {
             TransportChoice::Tcp => Arc::new(Tcp),
+            TransportChoice::Shm => {
+                let regions = shm_regions.clone().expect("made for shm");
+                tracing::info!(
+                    socket = shm_socket
+                        .as_deref()
+                        .unwrap_or("derived from each server's address"),
+                    "memkv transport 'shm'"
+                );
+                Arc::new(shm::Shm::new(regions, shm_socket.clone()))
+            }
             TransportChoice::Rdma => {
                 let r =
                     rdma::Rdma::open(provider.as_deref(), &cfg.rdma_devices, true, cfg.gpu_memory)
@@ -259,6 +288,13 @@ impl Client {
                 }
             }
         };
+        let transport: Arc<dyn Transport> = match (&shm_regions, cfg.transport) {
+            (Some(regions), TransportChoice::Auto) => Arc::new(shm::SameHostFirst {
+                shm: shm::Shm::new(regions.clone(), shm_socket),
+                other: transport,
+            }),
+            _ => transport,
+        };
         let pc = Arc::new(PoolConfig {
             auth_key: cfg.auth_key.clone(),
             max_connections: cfg.connections_per_server.max(1),
@@ -276,17 +312,26 @@ impl Client {
             cfg,
             registrations,
             rdma_provider,
+            shm_regions,
         }))
     }
 
     /// Registers `[ptr, ptr + len)` with the RDMA transport as one region (e.g. a whole pool of
     /// blocks, so that its blocks share one registration instead of one each); a no-op over TCP.
     /// Host memory or, where `gpu_memory()` is Ok, CUDA device memory (found out here); GPU
-    /// memory the transport cannot reach is an error.
+    /// memory the transport cannot reach is an error. With the shared-memory transport, memory
+    /// that is a shared mapping of a memfd or /dev/shm file becomes a region servers on this
+    /// host copy values into and out of; other memory moves over the socket (never an error).
     ///
     /// # Safety
     /// The memory must stay mapped until `unregister_memory(ptr)`.
     pub unsafe fn register_memory(&self, ptr: usize, len: usize) -> Result<(), String> {
+        if let Some(r) = &self.shm_regions {
+            if let Err(why) = r.register(ptr, len) {
+                tracing::info!(ptr = format!("{ptr:#x}"), len, reason = %why,
+                    "memkv transport 'shm': not a shared-memory region; its values go over the socket");
+            }
+        }
         match &self.registrations {
             Some(c) => c.pin(ptr, len).map_err(|e| e.to_string()),
             None => match memkv_fabric::memory::locate(ptr) {
@@ -340,6 +385,9 @@ impl Client {
 
     /// Undoes `register_memory(ptr, ..)`; no transfer touching the region may be running.
     pub fn unregister_memory(&self, ptr: usize) {
+        if let Some(r) = &self.shm_regions {
+            r.unregister(ptr);
+        }
         if let Some(c) = &self.registrations {
             c.unpin(ptr);
         }
@@ -352,6 +400,14 @@ impl Client {
     /// The libfabric provider values move through (`verbs`, `tcp`, ...); None over TCP.
     pub fn rdma_provider(&self) -> Option<&str> {
         self.rdma_provider.as_deref()
+    }
+
+    /// Whether `[ptr, ptr + len)` lies in a region the shared-memory transport hands servers on
+    /// this host (its transfers to them move by the server's copies, not over a socket).
+    pub fn shm_region_covers(&self, ptr: usize, len: usize) -> bool {
+        self.shm_regions
+            .as_ref()
+            .is_some_and(|r| r.find(ptr, len).is_some())
     }
 
     /// Index of the server that owns `key`.

@@ -17,10 +17,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use memkv_fabric::{Endpoint, Fabric, Mr, MrCache};
-use memkv_proto::Descriptor;
+use memkv_proto::{self as proto, Descriptor, Opcode};
 
-use crate::conn::Buf;
-use crate::transport::{deadline_passed, Link, Tcp, TcpLink, Transport};
+use crate::buf::Buf;
+use crate::transport::{
+    deadline_passed, Described, Link, OneSided, Setup, Tcp, TcpLink, Transport,
+};
 
 /// Registrations the client keeps at most (least recently used dropped first).
 const MR_CACHE_ENTRIES: usize = 4096;
@@ -95,27 +97,13 @@ impl Transport for Rdma {
 pub struct RdmaSide {
     ep: Endpoint,
     cache: Arc<MrCache>,
-    pub strict: bool,
+    strict: bool,
 }
 
 impl RdmaSide {
-    pub fn provider(&self) -> &str {
-        &self.ep.fabric().provider
-    }
-
-    /// The provider as RDMA_HELLO names it to the server (`Fabric::hello_name`).
-    pub fn hello_name(&self) -> &str {
-        &self.ep.fabric().hello_name
-    }
-
-    /// This link's endpoint address, for the server.
-    pub fn name(&self) -> io::Result<Vec<u8>> {
-        self.ep.name().map_err(io::Error::other)
-    }
-
     /// Registers (or finds) each buffer and describes it for the server. The returned
     /// registrations must be held until the request ended.
-    pub fn describe(&self, bufs: &[Buf]) -> io::Result<(Vec<Descriptor>, Vec<Arc<Mr>>)> {
+    fn describe_all(&self, bufs: &[Buf]) -> io::Result<(Vec<Descriptor>, Vec<Arc<Mr>>)> {
         let mut descs = Vec::with_capacity(bufs.len());
         let mut held = Vec::with_capacity(bufs.len());
         for b in bufs {
@@ -141,10 +129,48 @@ impl RdmaSide {
         }
         Ok((descs, held))
     }
+}
+
+impl OneSided for RdmaSide {
+    fn transport(&self) -> &'static str {
+        "rdma"
+    }
+
+    fn medium(&self) -> &'static str {
+        "RDMA"
+    }
+
+    fn strict(&self) -> bool {
+        self.strict
+    }
+
+    fn flag(&self) -> u32 {
+        proto::FLAG_RDMA
+    }
+
+    /// RDMA_HELLO: the provider as the server must match it (`Fabric::hello_name`) and this
+    /// link's endpoint address.
+    fn hello(&mut self) -> io::Result<Option<Setup>> {
+        let name = self.ep.name().map_err(io::Error::other)?;
+        Ok(Some(Setup {
+            op: Opcode::RdmaHello,
+            body: proto::encode_rdma_hello(&self.ep.fabric().hello_name, &name),
+            fd: None,
+            tag: 0,
+        }))
+    }
+
+    fn describe(&mut self, bufs: &[Buf]) -> io::Result<Option<Described>> {
+        let (descs, held) = self.describe_all(bufs)?;
+        Ok(Some(Described {
+            descs,
+            held: Box::new(held),
+        }))
+    }
 
     /// Closes the registrations of `bufs` and this endpoint: after a request ended without its
     /// reply, no remote operation of it can touch the buffers any more.
-    pub fn revoke(&mut self, bufs: &[Buf]) {
+    fn revoke(&mut self, bufs: &[Buf]) {
         for b in bufs {
             self.cache.invalidate(b.ptr, b.len);
         }
@@ -232,11 +258,14 @@ impl Link for RdmaLink {
         self.tcp.set_deadline(deadline);
     }
 
-    fn rdma(&mut self) -> Option<&mut RdmaSide> {
-        self.side.as_mut()
+    fn one_sided(&mut self) -> Option<&mut dyn OneSided> {
+        match &mut self.side {
+            Some(s) => Some(s),
+            None => None,
+        }
     }
 
-    fn drop_rdma(&mut self) {
+    fn drop_one_sided(&mut self) {
         self.side = None;
     }
 }

@@ -1,23 +1,85 @@
-//! The byte streams the client speaks its protocol over. `Conn` frames requests on any `Link`;
-//! a transport only opens links. TCP is one; RDMA (`crate::rdma`) is a TCP link plus a libfabric
-//! endpoint that the server reads and writes caller memory through.
+//! The byte streams the client speaks its protocol over, and the seam for one-sided transfers.
+//! `Conn` frames requests on any `Link`; a transport only opens links. TCP is one. A link may
+//! also have a `OneSided` side, through which the server itself reads (PUT) and writes (GET) the
+//! caller's memory, named by descriptors in the request, instead of the values travelling over
+//! the stream: RDMA (`crate::rdma`) is one.
 
+use std::any::Any;
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use memkv_proto::{Descriptor, Opcode};
+
+use crate::buf::Buf;
 
 /// A connected, ordered byte stream to one server whose reads and writes all fail with
 /// `ErrorKind::TimedOut` once the deadline set by `set_deadline` has passed, however the peer
 /// trickles its bytes: the deadline bounds the whole operation, not each system call.
 pub trait Link: Read + Write + Send {
     fn set_deadline(&mut self, deadline: Instant);
-    /// The RDMA half of the link, when it has one (values then move by the server's one-sided
-    /// reads and writes of caller memory instead of over this stream).
-    fn rdma(&mut self) -> Option<&mut crate::rdma::RdmaSide> {
+    /// The one-sided half of the link, when it has one.
+    fn one_sided(&mut self) -> Option<&mut dyn OneSided> {
         None
     }
-    /// Gives the RDMA half up: values go over the stream (a server that refused RDMA).
-    fn drop_rdma(&mut self) {}
+    /// Gives the one-sided half up: values go over the stream (a server that refused it).
+    fn drop_one_sided(&mut self) {}
+    /// Sends `fd` with the next bytes written (SCM_RIGHTS); only links over a unix socket can.
+    fn pass_fd(&mut self, _fd: Arc<OwnedFd>) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "this link cannot pass file descriptors",
+        ))
+    }
+}
+
+/// A request a one-sided side needs answered before it can go on: its hello when the
+/// connection opens, or, before a transfer, an announcement of memory the server is to reach.
+/// Every such reply is `accepted u8, reason` (the RDMA_HELLO reply's form).
+pub struct Setup {
+    pub op: Opcode,
+    pub body: Vec<u8>,
+    /// Sent with the request (`Link::pass_fd`).
+    pub fd: Option<Arc<OwnedFd>>,
+    /// Handed back to `OneSided::answered` with the server's answer.
+    pub tag: u64,
+}
+
+/// The descriptors of a transfer's buffers, and what must be held until the request ended
+/// (registrations, mappings).
+pub struct Described {
+    pub descs: Vec<Descriptor>,
+    pub held: Box<dyn Any + Send>,
+}
+
+/// Server-driven transfers of caller memory. The server moves every value before it replies;
+/// after the reply it never touches the memory for that request.
+pub trait OneSided: Send {
+    /// The transport's name in messages ("rdma").
+    fn transport(&self) -> &'static str;
+    /// What the server moves values by, in messages ("RDMA").
+    fn medium(&self) -> &'static str;
+    /// True when a server refusing the hello fails the connection; false when values then go
+    /// over the stream.
+    fn strict(&self) -> bool;
+    /// The header flag of a PUT or GET whose body carries this side's descriptors.
+    fn flag(&self) -> u32;
+    /// The request that sets this side up on a new connection, if it needs one.
+    fn hello(&mut self) -> io::Result<Option<Setup>>;
+    /// Requests to answer before a transfer of `bufs` (none by default).
+    fn setups(&mut self, _bufs: &[Buf]) -> Vec<Setup> {
+        Vec::new()
+    }
+    /// The server's answer to the setup tagged `tag` (not the hello's).
+    fn answered(&mut self, _tag: u64, _accepted: bool, _why: &str) {}
+    /// Describes `bufs` for the server; None when one of them is memory this side cannot name
+    /// (that transfer goes over the stream).
+    fn describe(&mut self, bufs: &[Buf]) -> io::Result<Option<Described>>;
+    /// Called when a request of `bufs` ended without its reply: afterwards no remote operation
+    /// of it may touch the buffers.
+    fn revoke(&mut self, bufs: &[Buf]);
 }
 
 /// Opens links to servers.
@@ -34,7 +96,7 @@ pub fn deadline_passed() -> io::Error {
 }
 
 /// Time left until `deadline`, or the deadline error when none is.
-fn left(deadline: Instant, now: Instant) -> io::Result<Duration> {
+pub(crate) fn left(deadline: Instant, now: Instant) -> io::Result<Duration> {
     deadline
         .checked_duration_since(now)
         .filter(|d| !d.is_zero())
@@ -61,12 +123,7 @@ impl Tcp {
             match TcpStream::connect_timeout(&sa, left(deadline, Instant::now())?) {
                 Ok(stream) => {
                     stream.set_nodelay(true)?;
-                    return Ok(TcpLink {
-                        stream,
-                        deadline,
-                        read_armed: None,
-                        write_armed: None,
-                    });
+                    return Ok(StreamLink::new(stream, deadline));
                 }
                 Err(e) => last = e,
             }
@@ -79,16 +136,53 @@ impl Tcp {
 /// overshoots by at most this much, and a bulk transfer makes no extra system call per read.
 const REARM_AFTER: Duration = Duration::from_millis(5);
 
-pub(crate) struct TcpLink {
-    stream: TcpStream,
+/// A socket whose timeouts bound each blocking call: TCP, or a unix socket (`crate::shm`).
+pub(crate) trait TimedStream: Read + Write + Send + std::os::fd::AsRawFd {
+    fn set_timeouts(&self, read: bool, t: Duration) -> io::Result<()>;
+}
+
+impl TimedStream for TcpStream {
+    fn set_timeouts(&self, read: bool, t: Duration) -> io::Result<()> {
+        if read {
+            self.set_read_timeout(Some(t))
+        } else {
+            self.set_write_timeout(Some(t))
+        }
+    }
+}
+
+impl TimedStream for std::os::unix::net::UnixStream {
+    fn set_timeouts(&self, read: bool, t: Duration) -> io::Result<()> {
+        if read {
+            self.set_read_timeout(Some(t))
+        } else {
+            self.set_write_timeout(Some(t))
+        }
+    }
+}
+
+/// A stream link: the socket and the deadline its calls are bounded by.
+pub(crate) struct StreamLink<S: TimedStream> {
+    stream: S,
     deadline: Instant,
     /// When the read / write socket timeout was last set to the time left.
     read_armed: Option<Instant>,
     write_armed: Option<Instant>,
 }
 
-impl TcpLink {
-    pub(crate) fn stream(&self) -> &TcpStream {
+pub(crate) type TcpLink = StreamLink<TcpStream>;
+
+impl<S: TimedStream> StreamLink<S> {
+    pub(crate) fn new(stream: S, deadline: Instant) -> StreamLink<S> {
+        StreamLink {
+            stream,
+            deadline,
+            read_armed: None,
+            write_armed: None,
+        }
+    }
+
+    pub(crate) fn stream(&self) -> &S {
         &self.stream
     }
 
@@ -97,7 +191,7 @@ impl TcpLink {
     }
 
     /// Makes the next blocking call on the socket return by the deadline (plus `REARM_AFTER`).
-    fn arm(&mut self, read: bool) -> io::Result<()> {
+    pub(crate) fn arm(&mut self, read: bool) -> io::Result<()> {
         let now = Instant::now();
         let rest = left(self.deadline, now)?;
         let armed = if read {
@@ -106,11 +200,7 @@ impl TcpLink {
             &mut self.write_armed
         };
         if armed.is_none_or(|t| now.duration_since(t) > REARM_AFTER) {
-            if read {
-                self.stream.set_read_timeout(Some(rest))?;
-            } else {
-                self.stream.set_write_timeout(Some(rest))?;
-            }
+            self.stream.set_timeouts(read, rest)?;
             *armed = Some(now);
         }
         Ok(())
@@ -118,21 +208,21 @@ impl TcpLink {
 }
 
 /// A socket timeout surfaces as WouldBlock (Linux) or TimedOut; both mean the deadline passed.
-fn timeout_as_deadline<T>(r: io::Result<T>) -> io::Result<T> {
+pub(crate) fn timeout_as_deadline<T>(r: io::Result<T>) -> io::Result<T> {
     r.map_err(|e| match e.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => deadline_passed(),
         _ => e,
     })
 }
 
-impl Read for TcpLink {
+impl<S: TimedStream> Read for StreamLink<S> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         self.arm(true)?;
         timeout_as_deadline(self.stream.read(buf))
     }
 }
 
-impl Write for TcpLink {
+impl<S: TimedStream> Write for StreamLink<S> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.arm(false)?;
         timeout_as_deadline(self.stream.write(buf))
@@ -148,7 +238,7 @@ impl Write for TcpLink {
     }
 }
 
-impl Link for TcpLink {
+impl<S: TimedStream> Link for StreamLink<S> {
     fn set_deadline(&mut self, deadline: Instant) {
         self.deadline = deadline;
         self.read_armed = None;

@@ -24,6 +24,8 @@ fn server(memory: u64, rdma: bool) -> Server {
         lanes: 2,
         frame_timeout: Duration::from_secs(5),
         rdma: rdma.then(rdma_cfg),
+        // Off: `auto` would take the same-host path to this in-process server, not RDMA.
+        shm: None,
         ..ServerConfig::default()
     })
     .unwrap()

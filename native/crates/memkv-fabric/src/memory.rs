@@ -74,7 +74,7 @@ pub fn locate(ptr: usize) -> Memory {
     // never dereferences `ptr`.
     let r = unsafe {
         (d.get_attribute)(
-            (&mut kind as *mut c_uint).cast(),
+            (&raw mut kind).cast(),
             CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
             ptr as u64,
         )
@@ -86,7 +86,7 @@ pub fn locate(ptr: usize) -> Memory {
     // SAFETY: the driver writes one int for this attribute.
     let r = unsafe {
         (d.get_attribute)(
-            (&mut ordinal as *mut c_int).cast(),
+            (&raw mut ordinal).cast(),
             CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
             ptr as u64,
         )
@@ -109,7 +109,7 @@ mod tests {
         let v = vec![7u8; 4096];
         let b = Box::new(0u64);
         assert_eq!(locate(v.as_ptr() as usize), Memory::Host);
-        assert_eq!(locate(&*b as *const u64 as usize), Memory::Host);
+        assert_eq!(locate(std::ptr::from_ref(&*b) as usize), Memory::Host);
         assert_eq!(locate(0), Memory::Host);
     }
 

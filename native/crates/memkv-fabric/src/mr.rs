@@ -4,9 +4,10 @@ use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
+use crate::error::Result;
+use crate::fabric::Fabric;
 use crate::memory::{self, Memory};
 use crate::sys::{self, Fid};
-use crate::{Fabric, Result};
 
 /// A registered memory range. Closed when dropped, or earlier by `revoke`: from then on no
 /// remote operation under its key can touch the memory.

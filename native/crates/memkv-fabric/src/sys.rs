@@ -94,7 +94,7 @@ impl Lib {
         // SAFETY: each symbol is looked up with the C signature the libfabric 1.x ABI gives it.
         unsafe {
             let sym = |sym: &str| format!("{shown} is not libfabric 1.x: it has no {sym}");
-            let version: libloading::Symbol<unsafe extern "C" fn() -> u32> =
+            let version: libloading::Symbol<'_, unsafe extern "C" fn() -> u32> =
                 lib.get(b"fi_version\0").map_err(|_| sym("fi_version"))?;
             let api = Api {
                 getinfo: *lib.get(b"fi_getinfo\0").map_err(|_| sym("fi_getinfo"))?,
@@ -155,7 +155,7 @@ fn param_names(lib: &libloading::Library) -> Option<Vec<String>> {
     unsafe {
         let get = lib.get::<GetParams>(b"fi_getparams\0").ok()?;
         let free = lib.get::<FreeParams>(b"fi_freeparams\0").ok()?;
-        let (mut params, mut count) = (std::ptr::null_mut(), 0 as c_int);
+        let (mut params, mut count) = (std::ptr::null_mut(), 0);
         if get(&mut params, &mut count) != 0 || params.is_null() {
             return Some(Vec::new());
         }
@@ -217,7 +217,6 @@ extern "C" {
     pub fn mk_close(fid: Fid) -> c_int;
     pub fn mk_getname(ep: Fid, addr: *mut c_void, len: *mut usize) -> c_int;
     pub fn mk_av_insert(av: Fid, addr: *const c_void, fi_addr: *mut u64) -> c_int;
-    #[allow(clippy::too_many_arguments)]
     pub fn mk_mr_reg(
         domain: Fid,
         buf: *mut c_void,
@@ -242,7 +241,6 @@ extern "C" {
     pub fn mk_op_delivery_complete() -> u64;
     pub fn mk_order_raw() -> u64;
     pub fn mk_context_size() -> usize;
-    #[allow(clippy::too_many_arguments)]
     pub fn mk_rma(
         ep: Fid,
         write: c_int,

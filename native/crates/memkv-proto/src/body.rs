@@ -198,11 +198,11 @@ pub fn encode_statuses(st: &[Status]) -> Vec<u8> {
     w.0
 }
 
-fn read_status(r: &mut Reader) -> Result<Status> {
+fn read_status(r: &mut Reader<'_>) -> Result<Status> {
     Status::from_u8(r.u8()?).ok_or(ProtoError::Malformed("unknown status byte"))
 }
 
-fn check_count(r: &mut Reader, expected: usize) -> Result<()> {
+fn check_count(r: &mut Reader<'_>, expected: usize) -> Result<()> {
     if r.count()? != expected {
         return Err(ProtoError::Malformed(
             "reply count differs from request count",

@@ -6,8 +6,9 @@
 //! ```
 //! All integers are little-endian. `body_len` counts the control body that follows the header;
 //! `payload_len` counts the bulk bytes after the body (PUT values, GET reply values).
-//! `reserved` must be zero in version 1. The one flag, `FLAG_RDMA`, marks a PUT or GET whose
-//! body carries RDMA descriptors instead of values moving in the payload.
+//! `reserved` must be zero in version 1. The flags `FLAG_RDMA` and `FLAG_SHM` (at most one of
+//! them) mark a PUT or GET whose body carries descriptors of the client's memory instead of
+//! values moving in the payload.
 
 use crate::{ProtoError, MAX_BODY_LEN};
 
@@ -20,8 +21,13 @@ pub const REPLY_BIT: u8 = 0x80;
 /// (`crate::Descriptor`) and no value travels in the payload; the server reads (PUT) or writes
 /// (GET) the client's memory itself before it replies.
 pub const FLAG_RDMA: u32 = 1;
+/// PUT or GET over shared memory: as `FLAG_RDMA`, with descriptors naming the client's memory
+/// regions announced by SHM_REGION on this connection (`crate::shm`).
+pub const FLAG_SHM: u32 = 2;
 /// Flags understood by version 1.
-pub const KNOWN_FLAGS: u32 = FLAG_RDMA;
+pub const KNOWN_FLAGS: u32 = FLAG_RDMA | FLAG_SHM;
+/// The flags whose PUT and GET frames carry descriptors and no payload.
+pub const ONE_SIDED_FLAGS: u32 = FLAG_RDMA | FLAG_SHM;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -35,6 +41,7 @@ pub enum Opcode {
     Delete = 0x07,
     Stats = 0x08,
     RdmaHello = 0x09,
+    ShmRegion = 0x0A,
     HelloReply = 0x81,
     AuthReply = 0x82,
     Pong = 0x83,
@@ -44,6 +51,7 @@ pub enum Opcode {
     DeleteReply = 0x87,
     StatsReply = 0x88,
     RdmaHelloReply = 0x89,
+    ShmRegionReply = 0x8A,
     Error = 0xFF,
 }
 
@@ -60,6 +68,7 @@ impl Opcode {
             0x07 => Delete,
             0x08 => Stats,
             0x09 => RdmaHello,
+            0x0A => ShmRegion,
             0x81 => HelloReply,
             0x82 => AuthReply,
             0x83 => Pong,
@@ -69,6 +78,7 @@ impl Opcode {
             0x87 => DeleteReply,
             0x88 => StatsReply,
             0x89 => RdmaHelloReply,
+            0x8A => ShmRegionReply,
             0xFF => Error,
             _ => return None,
         })
@@ -141,12 +151,14 @@ impl Header {
             return Err(ProtoError::Malformed("reserved header bytes are not zero"));
         }
         let payload_len = u64::from_le_bytes(b[24..32].try_into().unwrap());
-        if payload_len != 0 && (!opcode.has_payload() || flags & FLAG_RDMA != 0) {
+        if payload_len != 0 && (!opcode.has_payload() || flags & ONE_SIDED_FLAGS != 0) {
             return Err(ProtoError::Malformed(
                 "payload on an opcode that takes none",
             ));
         }
-        if flags & FLAG_RDMA != 0 && !matches!(opcode, Opcode::Put | Opcode::Get | Opcode::GetReply)
+        if flags == ONE_SIDED_FLAGS
+            || (flags & ONE_SIDED_FLAGS != 0
+                && !matches!(opcode, Opcode::Put | Opcode::Get | Opcode::GetReply))
         {
             return Err(ProtoError::BadFlags(flags));
         }
@@ -192,24 +204,29 @@ mod tests {
     }
 
     #[test]
-    fn the_rdma_flag_fits_put_and_get_only_and_forbids_a_payload() {
-        let mut h = Header::new(Opcode::Get, 3, 10, 0);
-        h.flags = FLAG_RDMA;
-        assert_eq!(Header::decode(&h.encode()).unwrap(), h);
-        h.opcode = Opcode::Exists;
+    fn the_one_sided_flags_fit_put_and_get_only_and_forbid_a_payload() {
+        for flag in [FLAG_RDMA, FLAG_SHM] {
+            let mut h = Header::new(Opcode::Get, 3, 10, 0);
+            h.flags = flag;
+            assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+            h.opcode = Opcode::Exists;
+            assert_eq!(Header::decode(&h.encode()), Err(ProtoError::BadFlags(flag)));
+            let mut p = Header::new(Opcode::Put, 3, 10, 5);
+            p.flags = flag;
+            assert!(
+                Header::decode(&p.encode()).is_err(),
+                "values travel one-sidedly, not inline"
+            );
+        }
+        let mut both = Header::new(Opcode::Put, 3, 10, 0);
+        both.flags = FLAG_RDMA | FLAG_SHM;
         assert_eq!(
-            Header::decode(&h.encode()),
-            Err(ProtoError::BadFlags(FLAG_RDMA))
-        );
-        let mut p = Header::new(Opcode::Put, 3, 10, 5);
-        p.flags = FLAG_RDMA;
-        assert!(
-            Header::decode(&p.encode()).is_err(),
-            "values travel by RDMA, not inline"
+            Header::decode(&both.encode()),
+            Err(ProtoError::BadFlags(FLAG_RDMA | FLAG_SHM))
         );
         let mut b = Header::new(Opcode::Put, 3, 10, 0);
-        b.flags = 2;
-        assert_eq!(Header::decode(&b.encode()), Err(ProtoError::BadFlags(2)));
+        b.flags = 4;
+        assert_eq!(Header::decode(&b.encode()), Err(ProtoError::BadFlags(4)));
     }
 
     proptest! {

@@ -40,7 +40,7 @@ pub fn read_exact_in_pieces(r: &mut impl Read, buf: &mut [u8]) -> io::Result<()>
 /// `write_all` over several slices (header, body, values) with `writev`, at most IOV_MAX (1024)
 /// slices per call, resuming after partial writes.
 pub fn write_all_vectored(w: &mut impl Write, parts: &[&[u8]]) -> io::Result<()> {
-    let mut slices: Vec<IoSlice> = parts
+    let mut slices: Vec<IoSlice<'_>> = parts
         .iter()
         .filter(|p| !p.is_empty())
         .map(|p| IoSlice::new(p))

@@ -7,10 +7,12 @@ pub mod body;
 pub mod header;
 pub mod io;
 pub mod rdma;
+pub mod shm;
 
 pub use body::*;
 pub use header::*;
 pub use rdma::*;
+pub use shm::*;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;

@@ -103,9 +103,10 @@ fn transport_choice(name: &str) -> PyResult<TransportChoice> {
         "tcp" => TransportChoice::Tcp,
         "rdma" => TransportChoice::Rdma,
         "auto" => TransportChoice::Auto,
+        "shm" => TransportChoice::Shm,
         other => {
             return Err(PyValueError::new_err(format!(
-                "transport must be tcp, rdma or auto, got {other:?}"
+                "transport must be tcp, rdma, auto or shm, got {other:?}"
             )))
         }
     })
@@ -120,7 +121,10 @@ struct PyClient {
 impl PyClient {
     #[new]
     #[pyo3(signature = (servers, auth_key=None, connections_per_server=2, connect_timeout_s=1.0, op_timeout_s=10.0, io_threads=8, transport="tcp", rdma_devices=Vec::new(), gpu_memory=false))]
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "Python's keyword arguments of memkv_vllm._native.Client(...)"
+    )]
     fn new(
         servers: Vec<String>,
         auth_key: Option<Vec<u8>>,

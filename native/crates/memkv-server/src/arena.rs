@@ -199,7 +199,6 @@ impl Span {
 
     /// Mutable view for filling the span. Only the connection that allocated the span writes it,
     /// before it is committed (shared) through the index.
-    #[allow(clippy::mut_from_ref)]
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as above, and `&mut self` proves no other reference to this span exists.
         unsafe {

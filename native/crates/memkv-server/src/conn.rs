@@ -18,6 +18,7 @@ use memkv_proto::{self as proto, ErrorCode, Header, HelloReply, Opcode, ProtoErr
 use crate::frame::{FrameIo, ReadEnd, Timing};
 use crate::limits::{BudgetShare, ByteBudget, Permit, WarnLimiter};
 use crate::rdma::{RdmaPeer, ServerFabric};
+use crate::shm::{ShmPeer, ShmShared};
 use crate::store::Store;
 use crate::transport::Transport;
 use crate::verify::Verifier;
@@ -36,6 +37,8 @@ pub struct ConnCtx {
     pub warn: WarnLimiter,
     /// The RDMA data path, when the server runs with it (`--rdma`).
     pub rdma: Option<Arc<ServerFabric>>,
+    /// The same-host data path's bounds, when it is on (`--shm-socket`).
+    pub shm: Option<Arc<ShmShared>>,
 }
 
 /// Why a connection ends early; all but `Closed` and `Io` are answered with an error frame
@@ -91,6 +94,8 @@ pub(crate) struct Conn<'a, T: Transport> {
     handshake_until: Instant,
     /// This connection's RDMA endpoint, once the client's RDMA_HELLO was accepted.
     pub(crate) rdma: Option<RdmaPeer>,
+    /// The client regions this connection mapped (SHM_REGION).
+    pub(crate) shm: ShmPeer,
 }
 
 /// Serves one connection until it closes; `permit` is its slot, freed when this returns.
@@ -105,6 +110,7 @@ pub fn serve<T: Transport>(t: T, ctx: &ConnCtx, permit: Permit) {
         authed: ctx.auth_key.is_none(),
         handshake_until: Instant::now() + ctx.handshake_timeout,
         rdma: None,
+        shm: ShmPeer::default(),
     };
     let m = &ctx.store.metrics;
     let (code, msg, kind) = match c.run() {
@@ -286,6 +292,9 @@ impl<'a, T: Transport> Conn<'a, T> {
             Opcode::Put | Opcode::Get if h.flags & proto::FLAG_RDMA != 0 => {
                 self.rdma_transfer(h, body, deadline)
             }
+            Opcode::ShmRegion => self.shm_region(h, body),
+            Opcode::Put if h.flags & proto::FLAG_SHM != 0 => self.shm_put(h, body, deadline),
+            Opcode::Get if h.flags & proto::FLAG_SHM != 0 => self.shm_get(h, body, deadline),
             Opcode::Put => self.put(h, body, deadline),
             Opcode::Get => self.get(h, body, deadline),
             _ => Err(ProtoError::Malformed("a reply opcode sent as a request").into()),

@@ -92,6 +92,10 @@ impl<T: Transport> FrameIo<T> {
         &self.t
     }
 
+    pub fn transport_mut(&mut self) -> &mut T {
+        &mut self.t
+    }
+
     /// Waits for the next frame's header until shutdown or `idle_until`; once its first byte
     /// arrived, the rest must follow within the frame timeout (and by `idle_until`).
     pub fn next_header(

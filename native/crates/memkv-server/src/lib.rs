@@ -10,6 +10,7 @@
 pub mod arena;
 mod cmd;
 pub mod conn;
+mod fault_guard;
 pub mod frame;
 pub mod lane;
 pub mod limits;
@@ -17,8 +18,12 @@ pub mod metrics;
 pub mod metrics_http;
 pub mod rdma;
 pub mod server;
+pub mod shm;
+#[cfg(test)]
+mod shm_tests;
 pub mod store;
 pub mod transport;
+pub mod unix_transport;
 pub mod verify;
 
 pub use server::{default_buffer_budget, Server, ServerConfig};

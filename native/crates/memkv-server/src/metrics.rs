@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use crate::lane::LaneStats;
 
 /// Error kinds counted separately; each is a label value of `memkv_errors_total`.
-pub const ERROR_KINDS: [&str; 17] = [
+pub const ERROR_KINDS: [&str; 20] = [
     "bad_magic",
     "bad_version",
     "malformed",
@@ -31,6 +31,12 @@ pub const ERROR_KINDS: [&str; 17] = [
     // a read or write of client memory that failed (bad descriptor, revoked key, client gone).
     "rdma_refused",
     "rdma_remote",
+    // The same-host path: a SHM_REGION refused (a bound, not shared memory, no descriptor), a
+    // transfer that named memory outside the connection's regions, and a region whose file
+    // shrank under a copy.
+    "shm_refused",
+    "shm_remote",
+    "shm_fault",
 ];
 
 #[derive(Default)]

@@ -1,6 +1,6 @@
 //! The server's side of the RDMA data path (`--rdma`): one libfabric domain with every lane's
 //! memory registered once at start, and per connection an endpoint that reads (PUT) and writes
-//! (GET) the client's registered memory named by the descriptors of a request (`cmd::rdma`).
+//! (GET) the client's registered memory named by the descriptors of a request (`cmd::rdma_transfer`).
 //!
 //! The TCP connection stays the control path: handshake, auth, key tables, per-key statuses and
 //! all limits are the same as without RDMA; only the values move by one-sided operations.

@@ -15,6 +15,7 @@ use crate::frame::Timing;
 use crate::limits::{self, ByteBudget, ConnLimits, WarnLimiter};
 use crate::metrics_http;
 use crate::rdma::{RdmaConfig, ServerFabric};
+use crate::shm::{ShmConfig, ShmListener, ShmShared};
 use crate::store::Store;
 use crate::transport::{TcpTransport, Transport};
 use crate::verify::Verifier;
@@ -49,6 +50,8 @@ pub struct ServerConfig {
     pub drain_timeout: Duration,
     /// Serve the RDMA data path too (libfabric, loaded now); None: TCP only.
     pub rdma: Option<RdmaConfig>,
+    /// Serve the same-host data path on a unix socket (`crate::shm`); None: off.
+    pub shm: Option<ShmConfig>,
 }
 
 impl Default for ServerConfig {
@@ -67,6 +70,7 @@ impl Default for ServerConfig {
             buffer_budget: None,
             drain_timeout: Duration::from_secs(10),
             rdma: None,
+            shm: Some(ShmConfig::default()),
         }
     }
 }
@@ -81,6 +85,9 @@ pub fn default_buffer_budget(memory: u64) -> u64 {
 pub struct Server {
     pub addr: SocketAddr,
     pub metrics_addr: Option<SocketAddr>,
+    /// Where the same-host data path listens (`@name` for an abstract socket), when it is on.
+    pub shm_socket: Option<String>,
+    shm: Option<Arc<ShmShared>>,
     pub store: Arc<Store>,
     shutdown: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
@@ -130,6 +137,12 @@ impl Server {
         unsafe { libc::listen(listener.as_raw_fd(), ACCEPT_BACKLOG) };
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
+        let shm_listener = cfg
+            .shm
+            .as_ref()
+            .map(|c| ShmListener::bind(c, addr))
+            .transpose()?;
+        let shm = cfg.shm.clone().map(|c| Arc::new(ShmShared::new(c)));
         let shutdown = Arc::new(AtomicBool::new(false));
         let budget = cfg
             .buffer_budget
@@ -147,11 +160,21 @@ impl Server {
             verifier: Verifier::new(std::thread::available_parallelism().map_or(1, |n| n.get()))?,
             warn: WarnLimiter::new(10, Duration::from_secs(10)),
             rdma,
+            shm: shm.clone(),
         });
         let rdma_endpoints = cfg.rdma.as_ref().map_or(0, |r| r.max_endpoints as u64);
         let max_connections = limits::fit_fd_limit(cfg.max_connections, rdma_endpoints);
         let limits = ConnLimits::new(max_connections, store.metrics.clone());
         let mut threads = Vec::new();
+        let shm_socket = shm_listener.as_ref().map(|l| l.name.clone());
+        if let Some(l) = shm_listener {
+            let (ctx, lim) = (ctx.clone(), limits.clone());
+            threads.push(
+                std::thread::Builder::new()
+                    .name("memkv-accept-shm".into())
+                    .spawn(move || l.serve(ctx, lim))?,
+            );
+        }
         let lim = limits.clone();
         threads.push(
             std::thread::Builder::new()
@@ -187,17 +210,25 @@ impl Server {
             auth = cfg.auth_key.is_some(),
             buffer_budget_bytes = budget,
             metrics = %metrics_addr.map_or("off".to_string(), |a| a.to_string()),
+            shm_socket = shm_socket.as_deref().unwrap_or("off"),
             "memkv serving"
         );
         Ok(Server {
             addr,
             metrics_addr,
+            shm_socket,
+            shm,
             store,
             shutdown,
             threads,
             limits,
             drain_timeout: cfg.drain_timeout,
         })
+    }
+
+    /// Bytes of client regions the same-host path has mapped now (0 when it is off).
+    pub fn shm_mapped_bytes(&self) -> u64 {
+        self.shm.as_ref().map_or(0, |s| s.mapped_bytes())
     }
 
     /// The flag that stops the server (set it from a signal handler).
@@ -222,6 +253,21 @@ impl Server {
 
 fn accept_loop(listener: TcpListener, ctx: Arc<ConnCtx>, limits: Arc<ConnLimits>) {
     let fd = listener.as_raw_fd();
+    serve_accepted(fd, &ctx, &limits, || {
+        let (stream, _) = listener.accept()?;
+        TcpTransport::new(stream)
+    });
+}
+
+/// Until shutdown: waits for `fd` (a listener) to be readable, takes the next connection with
+/// `accept` and serves it on a thread of its own under `limits`. Shared by the TCP listener
+/// and the same-host unix socket (`crate::shm`).
+pub(crate) fn serve_accepted<T: Transport + 'static>(
+    fd: std::os::fd::RawFd,
+    ctx: &Arc<ConnCtx>,
+    limits: &Arc<ConnLimits>,
+    mut accept: impl FnMut() -> io::Result<T>,
+) {
     while !ctx.shutdown.load(Ordering::Relaxed) {
         let mut pfd = libc::pollfd {
             fd,
@@ -233,8 +279,8 @@ fn accept_loop(listener: TcpListener, ctx: Arc<ConnCtx>, limits: Arc<ConnLimits>
         if r <= 0 {
             continue;
         }
-        let (stream, _) = match listener.accept() {
-            Ok(s) => s,
+        let t = match accept() {
+            Ok(t) => t,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             Err(e) => {
                 // Out of descriptors or memory: back off instead of spinning on the error.
@@ -242,13 +288,6 @@ fn accept_loop(listener: TcpListener, ctx: Arc<ConnCtx>, limits: Arc<ConnLimits>
                     tracing::warn!(error = %e, dropped_warnings = dropped, "accept failed");
                 }
                 std::thread::sleep(Duration::from_millis(50));
-                continue;
-            }
-        };
-        let t = match TcpTransport::new(stream) {
-            Ok(t) => t,
-            Err(e) => {
-                tracing::debug!(error = %e, "cannot set up an accepted socket");
                 continue;
             }
         };
@@ -279,7 +318,7 @@ fn accept_loop(listener: TcpListener, ctx: Arc<ConnCtx>, limits: Arc<ConnLimits>
     }
 }
 
-fn refuse(mut t: TcpTransport, msg: &str) {
+fn refuse<T: Transport>(mut t: T, msg: &str) {
     let body = proto::encode_error(ErrorCode::ShuttingDown, msg);
     let hdr = proto::Header::new(Opcode::Error, 0, body.len(), 0).encode();
     let parts = [io::IoSlice::new(&hdr), io::IoSlice::new(&body)];

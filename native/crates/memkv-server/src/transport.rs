@@ -4,6 +4,7 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use crate::limits::Closer;
@@ -20,6 +21,11 @@ pub trait Transport: Send {
     /// Something that ends this connection from another thread: its reads and writes fail or
     /// see end of stream soon after.
     fn closer(&self) -> io::Result<Closer>;
+    /// The oldest file descriptor the peer passed with its bytes and nobody took yet; only a
+    /// unix socket carries them (`crate::unix_transport`).
+    fn take_fd(&mut self) -> Option<OwnedFd> {
+        None
+    }
 }
 
 /// A blocking TCP socket; timeouts are socket options, set only when they change.

@@ -80,7 +80,7 @@ impl<'a, T: Transport> Conn<'a, T> {
         let store = &*ctx.store;
         let m = &store.metrics;
         let (st, found) = self.lookup(items.iter().map(|(k, n)| (*k, *n)));
-        let vals: Vec<(&[u8], Pinned)> = found.into_iter().map(|(_, k, v)| (k, v)).collect();
+        let vals: Vec<(&[u8], Pinned<'_>)> = found.into_iter().map(|(_, k, v)| (k, v)).collect();
         let total: u64 = vals.iter().map(|(_, v)| v.span.len()).sum();
         let chunks: usize = vals.iter().map(|(_, v)| v.chunks()).sum();
         let Some(_chunk_share) = self.take(chunks as u64 * PER_CHUNK, deadline) else {

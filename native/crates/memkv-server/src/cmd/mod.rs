@@ -1,11 +1,22 @@
-//! The commands, one module each. Every one decodes its key table only after taking its share of
+//! The commands, one module each, and `rma_batch`, the RDMA transfer of `put_rdma` and
+//! `get_rdma`. Every command decodes its key table only after taking its share of
 //! the byte budget for the decoded table and the reply (`PER_KEY` bytes a key, `key_share`).
 
 mod delete;
 mod exists;
 mod get;
+mod get_rdma;
 mod put;
-mod rdma;
+mod put_rdma;
+mod rdma_hello;
+#[cfg(test)]
+mod rdma_test_client;
+mod rdma_transfer;
+mod rma_batch;
+mod shm_common;
+mod shm_get;
+mod shm_put;
+mod shm_region;
 
 use std::time::Instant;
 

@@ -1,0 +1,344 @@
+//! One lane: an independent shard of the store with its own index, memory, eviction queues,
+//! leases and lock. Keys map to lanes by hash, so lanes never coordinate.
+//!
+//! The lane holds its parts under one lock: the index (`index`), S3-FIFO's eviction queues
+//! (`s3fifo`), the leases (`leases`), and the counts of bytes being received and sent, held by
+//! the handles of `pins`.
+
+mod index;
+mod leases;
+mod pins;
+mod s3fifo;
+#[cfg(test)]
+mod testing;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use memkv_proto::Status;
+
+use crate::arena::{footprint, LaneMemory};
+pub use index::{index_charge, Value, ENTRY_OVERHEAD};
+use index::{Entry, Key};
+use leases::Leases;
+pub use pins::{Pinned, Reservation};
+use s3fifo::Queues;
+
+/// Keys an EXISTS looks up under one hold of a lane's lock: taking it once per key cost more
+/// than the lookup itself, and this many lookups hold it for a few microseconds at most, so a
+/// PUT or GET on the lane never waits long behind a large batch.
+const LOOKUPS_PER_LOCK: usize = 256;
+
+struct Inner {
+    index: HashMap<Key, Entry>,
+    queues: Queues,
+    leases: Leases,
+    /// Bytes of values being sent.
+    in_transfer: u64,
+    /// Bytes of reservations being filled.
+    receiving: u64,
+    /// Index memory charged against the lane's capacity, with the value bytes.
+    index_bytes: u64,
+    next_gen: u64,
+}
+
+impl Inner {
+    fn pinned(&self) -> u64 {
+        self.leases.bytes + self.in_transfer
+    }
+
+    /// Queue and lease items go stale when a key is overwritten or deleted; they are dropped
+    /// once they outnumber the live entries, so overwrites cannot grow them without bound.
+    fn compact(&mut self) {
+        let live = 2 * self.index.len() + 64;
+        self.queues.compact(&self.index, live);
+        self.leases.compact(&self.index, live);
+    }
+
+    /// Unlinks `key`; its memory returns once no reader holds the value. Queue entries for it go
+    /// stale (their generation no longer matches) and are skipped when popped.
+    fn remove(&mut self, key: &[u8]) -> bool {
+        let Some(mut e) = self.index.remove(key) else {
+            return false;
+        };
+        self.queues.forget(&e);
+        self.leases.release(&mut e);
+        self.index_bytes -= e.charge;
+        true
+    }
+}
+
+/// Counters a lane reports; summed over lanes by the store.
+#[derive(Default, Debug, Clone, Copy)]
+pub struct LaneStats {
+    pub items: u64,
+    pub used_bytes: u64,
+    pub capacity_bytes: u64,
+    pub leased_bytes: u64,
+    pub in_transfer_bytes: u64,
+    pub receiving_bytes: u64,
+    pub index_bytes: u64,
+    pub evictions: u64,
+}
+
+pub struct Lane {
+    mem: Arc<LaneMemory>,
+    inner: Mutex<Inner>,
+    /// Bound on pinned bytes (leased or being sent), and on bytes being received.
+    max_pinned_bytes: u64,
+    evictions: std::sync::atomic::AtomicU64,
+}
+
+impl Lane {
+    pub fn new(bytes: usize, max_leased_fraction: f64) -> std::io::Result<Lane> {
+        let mem = LaneMemory::new(bytes)?;
+        let max_pinned_bytes = (mem.capacity() as f64 * max_leased_fraction) as u64;
+        Ok(Lane {
+            mem,
+            inner: Mutex::new(Inner {
+                index: HashMap::new(),
+                queues: Queues::default(),
+                leases: Leases::default(),
+                in_transfer: 0,
+                receiving: 0,
+                index_bytes: 0,
+                next_gen: 1,
+            }),
+            max_pinned_bytes,
+            evictions: Default::default(),
+        })
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.mem.capacity()
+    }
+
+    /// The lane's memory (start, length): every value's bytes lie inside it.
+    pub fn memory_range(&self) -> (usize, usize) {
+        self.mem.range()
+    }
+
+    /// The largest value a key of `key_len` bytes can have here, its index charge included.
+    pub fn max_value_len(&self, key_len: usize) -> u64 {
+        // Less one alignment unit, the most `footprint` rounds a value up.
+        self.capacity()
+            .saturating_sub(index_charge(key_len, self.capacity()) + 64)
+    }
+
+    /// Whether `len` more pinned bytes fit the bound. A lane with nothing pinned always takes
+    /// one value, so a value larger than the bound can still be stored and read.
+    fn may_pin(&self, inner: &Inner, len: u64) -> bool {
+        inner.pinned() == 0 || inner.pinned() + len <= self.max_pinned_bytes
+    }
+
+    /// Reserves room for a value of `len` bytes under a key of `key_len` bytes, evicting as
+    /// needed so that values and index together stay within the lane's capacity. The caller
+    /// fills the span without any lock held, then commits it. NoSpace when nothing more can be
+    /// evicted or the bytes being received are at their bound (the same share as pins: slow
+    /// writers cannot reserve the whole lane, nor readers pin it).
+    pub fn reserve(&self, key_len: usize, len: u64) -> Result<Reservation<'_>, Status> {
+        let charge = index_charge(key_len, len);
+        if footprint(len).saturating_add(charge) > self.capacity() {
+            return Err(Status::TooLarge);
+        }
+        let mut guard = self.inner.lock().unwrap();
+        let inner = &mut *guard;
+        if inner.receiving > 0 && inner.receiving + len > self.max_pinned_bytes {
+            return Err(Status::NoSpace);
+        }
+        loop {
+            let need = footprint(len) + charge;
+            let room = self.mem.used() + inner.index_bytes + need <= self.capacity();
+            if let Some(span) = room.then(|| self.mem.alloc(len)).flatten() {
+                inner.index_bytes += charge;
+                inner.receiving += len;
+                return Ok(Reservation {
+                    span: Some(span),
+                    lane: self,
+                    charge,
+                });
+            }
+            if !self.evict_one(inner) {
+                return Err(Status::NoSpace);
+            }
+        }
+    }
+
+    /// Makes a filled reservation visible under `key`, replacing any older value.
+    pub fn commit(&self, key: &[u8], mut res: Reservation<'_>, checksums: Vec<u64>) {
+        let span = res.span.take().expect("committed once");
+        let charge = res.charge;
+        let value = Arc::new(Value { span, checksums });
+        let key: Key = Arc::from(key);
+        let mut guard = self.inner.lock().unwrap();
+        let inner = &mut *guard;
+        let len = value.span.len();
+        inner.receiving -= len;
+        inner.remove(&key);
+        let gen = inner.next_gen;
+        inner.next_gen += 1;
+        let in_main = inner.queues.admit(&key, gen, len);
+        inner.index.insert(
+            key,
+            Entry {
+                value,
+                gen,
+                freq: 0,
+                in_main,
+                lease_until: None,
+                charge,
+            },
+        );
+        inner.compact();
+    }
+
+    /// EXISTS of the keys `at` names in `keys`: each answer (status, value length) goes to the
+    /// same place in `out`. With `lease` > 0 a hit is protected from eviction until the lease
+    /// ends or a GET releases it, within the lane's leased-bytes bound. The lock is taken once
+    /// per `LOOKUPS_PER_LOCK` keys, not once per key.
+    pub fn exists(&self, keys: &[&[u8]], at: &[u32], lease: Duration, out: &mut [(Status, u64)]) {
+        for part in at.chunks(LOOKUPS_PER_LOCK) {
+            let now = Instant::now();
+            let mut guard = self.inner.lock().unwrap();
+            let inner = &mut *guard;
+            inner.leases.expire(&mut inner.index, now);
+            for &i in part {
+                let i = i as usize;
+                out[i] = self.exists_locked(inner, keys[i], now, lease);
+            }
+        }
+    }
+
+    fn exists_locked(
+        &self,
+        inner: &mut Inner,
+        key: &[u8],
+        now: Instant,
+        lease: Duration,
+    ) -> (Status, u64) {
+        let Some((k, e)) = inner.index.get_key_value(key) else {
+            return (Status::NotFound, 0);
+        };
+        let len = e.value.span.len();
+        if lease.is_zero() {
+            return (Status::Ok, len);
+        }
+        if e.lease_until.is_none() && inner.pinned() + len > self.max_pinned_bytes {
+            return (Status::OkNoLease, len);
+        }
+        let k = k.clone();
+        let e = inner.index.get_mut(key).unwrap();
+        if inner.leases.grant(e, k, now + lease) {
+            inner.compact();
+        }
+        (Status::Ok, len)
+    }
+
+    /// GET: takes a pinned reference to the value (so eviction cannot free it mid-send), counts
+    /// the access for S3-FIFO and turns any lease on it into the transfer's pin. Err(NoSpace)
+    /// when pinning it would pass the lane's bound on pinned bytes.
+    pub fn fetch(&self, key: &[u8]) -> Result<Option<Pinned<'_>>, Status> {
+        let mut guard = self.inner.lock().unwrap();
+        let inner = &mut *guard;
+        inner.leases.expire(&mut inner.index, Instant::now());
+        let Some(e) = inner.index.get(key) else {
+            return Ok(None);
+        };
+        let (len, leased) = (e.value.span.len(), e.lease_until.is_some());
+        if !leased && !self.may_pin(inner, len) {
+            return Err(Status::NoSpace);
+        }
+        let e = inner.index.get_mut(key).unwrap();
+        e.freq = (e.freq + 1).min(3);
+        inner.leases.release(e);
+        let value = e.value.clone();
+        inner.in_transfer += len;
+        Ok(Some(Pinned { value, lane: self }))
+    }
+
+    /// Drops `key` if it still holds `value` (used after a checksum mismatch).
+    pub fn drop_if_same(&self, key: &[u8], value: &Arc<Value>) {
+        let mut inner = self.inner.lock().unwrap();
+        if inner
+            .index
+            .get(key)
+            .is_some_and(|e| Arc::ptr_eq(&e.value, value))
+        {
+            inner.remove(key);
+        }
+    }
+
+    pub fn delete(&self, key: &[u8]) -> Status {
+        let mut inner = self.inner.lock().unwrap();
+        if inner.remove(key) {
+            Status::Ok
+        } else {
+            Status::NotFound
+        }
+    }
+
+    pub fn stats(&self) -> LaneStats {
+        let mut guard = self.inner.lock().unwrap();
+        let inner = &mut *guard;
+        inner.leases.expire(&mut inner.index, Instant::now());
+        LaneStats {
+            items: inner.index.len() as u64,
+            used_bytes: self.mem.used(),
+            capacity_bytes: self.capacity(),
+            leased_bytes: inner.leases.bytes,
+            in_transfer_bytes: inner.in_transfer,
+            receiving_bytes: inner.receiving,
+            index_bytes: inner.index_bytes,
+            evictions: self.evictions.load(std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+
+    /// One S3-FIFO eviction step. False when nothing can be evicted (all leased or in transfer).
+    fn evict_one(&self, inner: &mut Inner) -> bool {
+        inner.leases.expire(&mut inner.index, Instant::now());
+        let Some(key) = inner.queues.victim(&mut inner.index, self.capacity() / 10) else {
+            return false;
+        };
+        inner.remove(&key);
+        self.evictions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use memkv_proto::Status;
+
+    use super::index_charge;
+    use super::testing::{exists, lane, put_len, V};
+
+    #[test]
+    fn overwrite_and_delete_free_memory() {
+        let l = lane(4, 0.5);
+        put_len(&l, "a", 1024);
+        put_len(&l, "a", 2048);
+        assert_eq!(l.stats().used_bytes, 2048);
+        assert_eq!(l.stats().index_bytes, index_charge(1, 2048));
+        assert_eq!(l.delete(b"a"), Status::Ok);
+        assert_eq!(l.delete(b"a"), Status::NotFound);
+        assert_eq!((l.stats().used_bytes, l.stats().index_bytes), (0, 0));
+        assert_eq!(put_len(&l, "big", 8 * V), Status::TooLarge);
+    }
+
+    #[test]
+    fn overwrites_and_lease_renewals_do_not_grow_the_queues() {
+        let l = lane(4, 0.5);
+        for i in 0..100_000u64 {
+            put_len(&l, "a", 64);
+            exists(&l, b"a", Duration::from_secs(1 + i % 7));
+        }
+        let inner = l.inner.lock().unwrap();
+        let queued = inner.queues.len();
+        assert!(queued <= 2 * inner.index.len() + 64, "{queued} queue items");
+        assert!(inner.leases.len() <= 2 * inner.index.len() + 64);
+    }
+}
