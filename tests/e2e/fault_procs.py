@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from vllm_procs import SHM, engine_env, group_pids, shm_mappings
+from vllm_procs import engine_env, run_engine_script
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -20,7 +17,8 @@ HERE = Path(__file__).resolve().parent
 def run_fault_engine(model: str, address: str, work: Path, name: str, cases: list[dict],
                      server_pid: int = 0, wait_items: int = 0, timeout: int = 480,
                      llm_args: dict | None = None, final_items: int = 0) -> dict:
-    """One direct_fault_engine.py process (its own session: whatever it leaves is killed).
+    """One direct_fault_engine.py process (its own session: whatever it leaves is killed; its log
+    is work/<name>.log).
     `llm_args`: vllm.LLM keyword arguments over the script's CPU defaults (a GPU's choices)."""
     out, plan = work / f"{name}.json", work / f"{name}-plan" / "plan.json"
     plan.parent.mkdir()
@@ -29,33 +27,12 @@ def run_fault_engine(model: str, address: str, work: Path, name: str, cases: lis
            "DIRECT_FAULT_PLAN": str(plan),
            # Small client timeouts: a frozen server costs seconds, not the default 10 s per op.
            "MEMKV_OP_TIMEOUT_S": "2", "MEMKV_CONNECT_TIMEOUT_S": "0.5"}
-    cmd = [sys.executable, str(HERE / "direct_fault_engine.py"), "--model", model,
-           "--servers", address, "--out", str(out), "--cases", json.dumps(cases),
-           "--server-pid", str(server_pid), "--wait-items", str(wait_items),
-           "--final-items", str(final_items), "--llm-args", json.dumps(llm_args or {})]
-    log = work / f"{name}.log"
-    queues_before = set(SHM.glob("psm_*")) | set(SHM.glob("sem.mp-*"))
-    with open(log, "w") as f:
-        p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-        try:
-            rc = p.wait(timeout)
-        finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # engine-core children, if any survived
-            except ProcessLookupError:
-                pass
-            p.wait()
-            wait_for(lambda: not group_pids(p.pid), "engine processes outlived SIGKILL")
-            # vLLM's executor queues: its resource tracker removes them on a normal exit; after a
-            # kill nobody does. Those this engine made and nobody maps any more are removed.
-            mapped = shm_mappings([int(d.name) for d in Path("/proc").iterdir()
-                                   if d.name.isdigit()])
-            for q in (set(SHM.glob("psm_*")) | set(SHM.glob("sem.mp-*"))) - queues_before:
-                if str(q) not in mapped:
-                    q.unlink(missing_ok=True)
-    assert rc == 0, f"engine {name} failed (rc {rc}), log {log}:\n{log.read_text()[-4000:]}"
-    return json.loads(out.read_text())
+    return run_engine_script(
+        HERE / "direct_fault_engine.py",
+        ["--model", model, "--servers", address, "--cases", json.dumps(cases),
+         "--server-pid", str(server_pid), "--wait-items", str(wait_items),
+         "--final-items", str(final_items), "--llm-args", json.dumps(llm_args or {})],
+        out, timeout, env)
 
 
 def wait_for(cond, what: str, timeout: float = 60) -> None:

@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="e2e tests need vLLM (use a venv from scripts
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from memkv_procs import MemKVServer  # noqa: E402
-from vllm_procs import run_engine_script  # noqa: E402
+from vllm_procs import engine_env, run_engine_script  # noqa: E402
 
 from memkv_vllm.direct.prefixes import default_root  # noqa: E402
 
@@ -32,9 +32,18 @@ PROMPT_TOKENS = 600  # -> 4 full chunks (512 tokens) can come from the cluster
 
 
 def run_engine(model: str, server: str, prefix: str, out: Path) -> dict:
+    # The engines' own temporary directory: the workers publish their key prefixes under it
+    # (direct/prefixes.py), where no other engine on the machine writes.
     return run_engine_script(ROOT / "tests" / "e2e" / "direct_engine.py",
                              ["--model", model, "--servers", server, "--prefix", prefix,
-                              "--prompt-tokens", str(PROMPT_TOKENS)], out)
+                              "--prompt-tokens", str(PROMPT_TOKENS)], out,
+                             env={**engine_env(), "TMPDIR": str(engine_tmp(out.parent))})
+
+
+def engine_tmp(work: Path) -> Path:
+    tmp = work / "tmp"
+    tmp.mkdir(exist_ok=True)
+    return tmp
 
 
 @pytest.fixture(scope="module")
@@ -77,5 +86,6 @@ def test_engine_b_loads_the_prefix_from_memkv_and_matches_the_cold_run(cluster) 
 
 
 def test_the_schedulers_removed_the_published_prefixes(cluster) -> None:
-    root = default_root()
-    assert not root.exists() or not [p for p in os.listdir(root) if ".rank" in p]
+    root = engine_tmp(cluster["work"]) / default_root().name
+    assert root.is_dir(), "the workers published no prefix there"
+    assert [p for p in os.listdir(root) if ".rank" in p] == []

@@ -10,9 +10,6 @@ from vLLM 0.26 on; on older vLLM the test is skipped.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 import textwrap
 import threading
@@ -31,6 +28,7 @@ from vllm.v1.kv_offload.tiering import base as tb  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from memkv_procs import MemKVServer  # noqa: E402
+from vllm_procs import EngineProcess, free_port  # noqa: E402
 
 pytestmark = [
     pytest.mark.e2e,
@@ -70,12 +68,6 @@ ENGINE = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Subscriber:
     """Receives every batch vLLM publishes; `stored()` decodes them with vLLM's own types."""
 
@@ -113,20 +105,17 @@ class Subscriber:
 def test_a_subscriber_receives_block_stored_for_the_blocks_stored_in_memkv(model,
                                                                            tmp_path) -> None:
     server = MemKVServer(memory="64M", lanes=1).start()
-    port = _free_port()
+    port = free_port()
     sub = Subscriber(port)
-    env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     script = tmp_path / "engine.py"
     script.write_text(ENGINE)
     try:
-        p = subprocess.run([sys.executable, str(script), str(ROOT), model, server.address,
-                            f"events-{uuid.uuid4().hex[:8]}",
-                            # a wildcard endpoint: vLLM's publisher binds it (others it connects)
-                            f"tcp://*:{port}", str(PROMPT_TOKENS)],
-                           env=env, capture_output=True, text=True, timeout=420)
-        (tmp_path / "engine.log").write_text(p.stdout + p.stderr)
-        assert p.returncode == 0, p.stderr[-3000:]
+        engine = EngineProcess(
+            [sys.executable, str(script), str(ROOT), model, server.address,
+             f"events-{uuid.uuid4().hex[:8]}",
+             # a wildcard endpoint: vLLM's publisher binds it (others it connects)
+             f"tcp://*:{port}", str(PROMPT_TOKENS)], tmp_path / "engine.log")
+        engine.finish(420)
         stored_in_memkv = server.stats()["puts"]
         deadline = time.monotonic() + 5
         while len([e for e in sub.stored() if e.locality == "REMOTE"]) < stored_in_memkv:

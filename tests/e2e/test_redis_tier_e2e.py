@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -28,7 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 from redis_procs import RedisCluster, poll  # noqa: E402
 from test_tier_e2e import BLOCK, PROMPT_TOKENS  # noqa: E402
-from vllm_procs import engine_env, newest_vllm_only  # noqa: E402
+from vllm_procs import EngineProcess, newest_vllm_only  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -37,24 +36,15 @@ pytestmark = pytest.mark.e2e
 newest_vllm_only("the Redis backend's e2e")
 
 
-def start_engine(model: str, servers: list[str], prefix: str, out: Path
-                 ) -> subprocess.Popen[str]:
-    cmd = [sys.executable, str(ROOT / "scripts" / "tier_engine.py"), "--model", model,
-           "--backend", "redis", "--servers", ",".join(servers), "--prefix", prefix,
-           "--out", str(out), "--prompt-tokens", str(PROMPT_TOKENS)]
-    with out.with_suffix(".log").open("w") as log:  # the child keeps its own descriptor
-        return subprocess.Popen(cmd, env=engine_env(), stdout=log, stderr=subprocess.STDOUT,
-                                text=True)
+def start_engine(model: str, servers: list[str], prefix: str, out: Path) -> EngineProcess:
+    return EngineProcess(
+        [sys.executable, str(ROOT / "scripts" / "tier_engine.py"), "--model", model,
+         "--backend", "redis", "--servers", ",".join(servers), "--prefix", prefix,
+         "--out", str(out), "--prompt-tokens", str(PROMPT_TOKENS)], out.with_suffix(".log"))
 
 
-def finish_engine(p: subprocess.Popen[str], out: Path) -> dict:
-    try:
-        rc = p.wait(420)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        raise
-    log = out.with_suffix(".log")
-    assert rc == 0, f"engine failed (rc {rc}), log: {log}\n{log.read_text()[-3000:]}"
+def finish_engine(engine: EngineProcess, out: Path) -> dict:
+    engine.finish(420)
     return json.loads(out.read_text())
 
 
@@ -85,11 +75,14 @@ def test_two_engines_share_blocks_through_redis_cluster(model, tmp_path) -> None
         replica = cluster.replica_of(victim)
         # B lists every node, as a deployment would: the one it would otherwise bootstrap
         # from may be the one that dies.
-        b_proc = start_engine(model, cluster.urls, prefix, tmp_path / "b.json")
-        victim.kill()  # while B starts: B's lookups meet a cluster failing over
-        poll(lambda: replica.info("replication").get("role") == "master", 30,
-             "the replica's promotion")
-        b = finish_engine(b_proc, tmp_path / "b.json")
+        b_engine = start_engine(model, cluster.urls, prefix, tmp_path / "b.json")
+        try:
+            victim.kill()  # while B starts: B's lookups meet a cluster failing over
+            poll(lambda: replica.info("replication").get("role") == "master", 30,
+                 "the replica's promotion")
+            b = finish_engine(b_engine, tmp_path / "b.json")
+        finally:
+            b_engine.kill()
         assert b["cached_tokens_first"] == full_blocks * BLOCK  # every prefix block from Redis
         assert b["tokens"] == a["tokens"]
         assert b["logprobs"] == a["logprobs"]  # exact: the KV bytes that came back are A's

@@ -35,11 +35,12 @@ from memkv_procs import MemKVServer  # noqa: E402
 from tier_engine import kv_transfer_config, prompt_text  # noqa: E402
 from vllm_procs import (  # noqa: E402
     DELETED,
-    SHM,
     complete,
+    executor_queues,
     free_port,
     group_pids,
     kill_group_left,
+    remove_orphaned_queues,
     shm_mappings,
     start_api_server,
     stop_group,
@@ -66,7 +67,7 @@ def test_the_cpu_pool_leaves_nothing_in_dev_shm(server, model, tmp_path, stop) -
     pool = ""
     port = free_port()
     before = server.stats()["puts"]
-    sems_before = set(SHM.glob("sem.mp-*"))
+    queues_before = executor_queues()
     with (tmp_path / "api.log").open("w") as log:
         proc = start_api_server(model, port, kv, log, new_session=True)
     mapped: set[str] = set()
@@ -96,12 +97,9 @@ def test_the_cpu_pool_leaves_nothing_in_dev_shm(server, model, tmp_path, stop) -
         left = sorted(p for p in named if Path(p).exists())
         for p in left:
             Path(p).unlink(missing_ok=True)
-        # Semaphores the engine's processes created after the snapshot above and that no live
-        # process maps any more (a SIGKILL of the group leaves them) are this test's too.
-        live = shm_mappings([int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()])
-        for sem in set(SHM.glob("sem.mp-*")) - sems_before:
-            if str(sem) not in live:
-                sem.unlink(missing_ok=True)
+        # The executor queues its killed processes left (a SIGKILL of the group) are this
+        # test's too; other engines' are not.
+        remove_orphaned_queues(queues_before, time.time())
     assert pool not in left, "the CPU pool was left in /dev/shm"
     if stop == "SIGTERM":
         assert left == [], f"left in /dev/shm after SIGTERM: {left}"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import subprocess
 import sys
 import time
 import urllib.request
@@ -30,7 +29,13 @@ pytest.importorskip("vllm", reason="e2e tests need vLLM (use a venv from scripts
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from memkv_procs import MemKVServer  # noqa: E402
-from vllm_procs import complete, engine_env, free_port, start_api_server, wait_healthy  # noqa: E402
+from vllm_procs import (  # noqa: E402
+    complete,
+    free_port,
+    run_engine_script,
+    start_api_engine,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.e2e
 BLOCK = 128  # vLLM's default block size on the CPU platform
@@ -38,14 +43,9 @@ PROMPT_TOKENS = 600  # -> 4 full blocks (512 tokens) can come from the cache
 
 
 def run_engine(model: str, server: str, prefix: str, out: Path, timeout: int = 420) -> dict:
-    cmd = [sys.executable, str(ROOT / "scripts" / "tier_engine.py"), "--model", model,
-           "--servers", server, "--prefix", prefix, "--out", str(out),
-           "--prompt-tokens", str(PROMPT_TOKENS)]
-    p = subprocess.run(cmd, env=engine_env(), capture_output=True, text=True, timeout=timeout)
-    log = out.with_suffix(".log")
-    log.write_text(p.stdout + p.stderr)
-    assert p.returncode == 0, f"engine failed (rc {p.returncode}), log: {log}\n{p.stderr[-3000:]}"
-    return json.loads(out.read_text())
+    return run_engine_script(ROOT / "scripts" / "tier_engine.py",
+                             ["--model", model, "--servers", server, "--prefix", prefix,
+                              "--prompt-tokens", str(PROMPT_TOKENS)], out, timeout)
 
 
 def metric(res: dict, name: str, **labels: str) -> float | None:
@@ -145,11 +145,10 @@ def test_online_engine_reports_the_memkv_hits_in_its_metrics(cluster) -> None:
 
     port = free_port()
     kv = kv_transfer_config(cluster["server"].address, cluster["prefix"], 64 << 20)
-    log = (cluster["work"] / "online.log").open("w")
-    proc = start_api_server(cluster["model"], port, kv, log)
+    engine = start_api_engine(cluster["model"], port, kv, cluster["work"] / "online.log")
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(proc, base)
+        wait_healthy(engine, base)
         usage = complete(base, prompt_text(PROMPT_TOKENS))
         full = (usage["prompt_tokens"] // BLOCK) * BLOCK
         time.sleep(2)  # stats reach the front end once per logging interval / step
@@ -158,12 +157,7 @@ def test_online_engine_reports_the_memkv_hits_in_its_metrics(cluster) -> None:
         assert _prometheus(text, "vllm:kv_offload_memkv_blocks_total",
                            op="load", result="ok") == full // BLOCK
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        engine.stop()
 
 
 def test_with_the_server_killed_engine_c_recomputes_identically(cluster) -> None:

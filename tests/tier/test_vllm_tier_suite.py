@@ -18,7 +18,7 @@ and reviewers expect of any tier:
 * `locality` is validated like `Locality(value)`, forwarded by the factory and carried by the
   stored events; events only with both the tier's and the engine's flag, only for store jobs that
   succeeded, and they surface through the TieringOffloadingManager;
-* a TP=2 writer and a TP=4 reader with vLLM's replicated layout share blocks.
+* a TP=2 writer and a TP=4 reader with vLLM's replicated layout (0.27+) share blocks.
 
 Deliberate differences from the fs tier (docs/tier.md says why): the default locality is REMOTE,
 not None; the events' medium is CPU (memkv keeps values in DRAM), not STORAGE; a load that finds
@@ -29,6 +29,7 @@ extension, O_DIRECT, credentials) have no memkv counterpart and are not ported.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import time
 import uuid
 from typing import Any
@@ -58,6 +59,20 @@ needs_locality = pytest.mark.skipif(not hasattr(kvb, "Locality"),
 needs_tier_events = pytest.mark.skipif(
     "take_events" not in vars(tb.SecondaryTierManager),
     reason="secondary tiers publish KV events from vLLM 0.26 on")
+
+
+def _offloading_config_fields() -> set[str]:
+    """The fields of vLLM's OffloadingConfig; none before 0.26, which has no such class."""
+    if importlib.util.find_spec("vllm.v1.kv_offload.config") is None:
+        return set()
+    from vllm.v1.kv_offload import config as oc
+
+    return {f.name for f in dataclasses.fields(oc.OffloadingConfig)}
+
+
+needs_replicated_layout = pytest.mark.skipif(
+    "replicated_layout" not in _offloading_config_fields(),
+    reason="replicated layouts (OffloadingConfig.replicated_layout) exist from vLLM 0.27 on")
 needs_partial_results = pytest.mark.skipif(
     "successful_keys" not in {f.name for f in dataclasses.fields(tb.JobResult)},
     reason="JobResult.successful_keys exists from vLLM 0.28 on")
@@ -527,9 +542,11 @@ def test_cascade_store_emits_event_through_tiering_manager(memkv_server):
 # Sharing across TP sizes
 
 
-@pytest.mark.skipif(not HAVE_CONFIG, reason="replicated layouts exist from vLLM 0.27 on")
+@needs_replicated_layout
 def test_cross_tp_round_trip(make_tier):
-    """A TP=2 writer and a TP=4 reader with vLLM's replicated layout share keys and bytes."""
+    """A TP=2 writer and a TP=4 reader with vLLM's replicated layout share keys and bytes.
+    (vLLM 0.26 has parallelism-agnostic layouts but no replicated one: sharing across TP sizes
+    through `is_parallelism_agnostic`, on every version, is test_conformance.py's.)"""
     writer, wpool = make_tier(num_blocks=4, spec=make_spec(tp_size=2, replicated_layout=True))
     _random_rows(wpool, seed=7)
     expected = wpool[0].copy()
