@@ -41,7 +41,7 @@ def gpu_pci_address(ordinal: int) -> str | None:
 def rank_nic(gpu_pci: str | None, cfg: MemKVConfig, provider: str | None,
              sysfs: str = "/sys") -> tuple[str | None, str]:
     """(the NIC for this rank's client or None to keep ``cfg.rdma_devices``, why)."""
-    if cfg.backend != "memkv" or cfg.transport == "tcp":
+    if cfg.backend != "memkv" or cfg.transport in ("tcp", "shm"):  # no NIC in their path
         return None, f"transport {cfg.transport} (backend {cfg.backend}) uses no NIC of its own"
     if provider not in _NIC_PROVIDERS:
         return None, f"provider {provider}'s domains are not NICs"

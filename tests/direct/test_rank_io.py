@@ -128,7 +128,7 @@ def test_a_rank_whose_transport_cannot_reach_gpu_memory(transport, memkv_server,
         want = ("host", False) if requested == "auto" else ("gpu", False)
         assert (io.scratch.medium, io.scratch.device_io) == want and why in io.scratch.reason
         nic = ("no GPU address for this rank" if transport == "rdma"
-               else "transport tcp (backend memkv) uses no NIC of its own")
+               else f"transport {transport} (backend memkv) uses no NIC of its own")
         assert io.describe == f"NIC: {nic}; scratch: {io.scratch.reason}"
         # The block store's client moves host memory as before.
         v = np.arange(5000, dtype=np.uint8)
@@ -149,8 +149,8 @@ def test_a_ranks_nic_that_does_not_open_leaves_the_configured_devices(
                        "rdma_devices": "lo,mlx5_0"},
                       sysfs=tree("switch_pairs"))
     try:
-        if transport == "tcp":
-            assert io.describe.startswith("NIC: transport tcp (backend memkv) uses no NIC")
+        if transport in ("tcp", "shm"):
+            assert io.describe.startswith(f"NIC: transport {transport} (backend memkv) uses no NIC")
         else:
             assert io.describe.startswith(
                 "NIC: GPU 0000:9a:00.0's nearest NIC among lo,mlx5_0: mlx5_0 (same PCIe "
