@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,6 +215,17 @@ def chunks(args: argparse.Namespace) -> int:
     return sum(n // args.chunk_tokens for n in args.prefixes)
 
 
+def same_host(run: Run, args: argparse.Namespace, results: dict[str, dict], mode: str,
+              config: Callable[[str], dict]) -> None:
+    """Runs `mode`'s engine over the same-host transport, or says why it is skipped."""
+    why = same_host_transport(args.same_host_transport)
+    if why:
+        print(f"[gpu_ttft] {mode} skipped: {why}", flush=True)
+        return
+    r = run.engine(mode, config(args.same_host_transport))
+    results[mode] = {n: r["prompts"][str(n)] for n in args.prefixes}
+
+
 def run_engines(run: Run, args: argparse.Namespace, kv_token: int) -> dict[str, dict]:
     """{mode: {prefix: {ttft_s, cached}}} for the modes asked for."""
     modes, results = set(args.modes), {}
@@ -234,15 +246,8 @@ def run_engines(run: Run, args: argparse.Namespace, kv_token: int) -> dict[str, 
                                                    True, False))
                 results["tier"] = {n: r["prompts"][str(n)] for n in args.prefixes}
             if "tier-samehost" in modes:
-                why = same_host_transport(args.same_host_transport)
-                if why:
-                    print(f"[gpu_ttft] tier-samehost skipped: {why}", flush=True)
-                else:
-                    r = run.engine("tier-samehost", tier_config(
-                        args, run.server, f"tier-{tag}", fs_root, True, False,
-                        args.same_host_transport))
-                    results["tier-samehost"] = {n: r["prompts"][str(n)]
-                                                for n in args.prefixes}
+                same_host(run, args, results, "tier-samehost", lambda t: tier_config(
+                    args, run.server, f"tier-{tag}", fs_root, True, False, t))
             if fs:
                 r = run.engine("fs", tier_config(args, run.server, f"tier-{tag}", fs_root,
                                                  False, True))
@@ -254,14 +259,8 @@ def run_engines(run: Run, args: argparse.Namespace, kv_token: int) -> dict[str, 
                 r = run.engine("direct", direct_config(args, run.server, f"direct-{tag}"))
                 results["direct"] = {n: r["prompts"][str(n)] for n in args.prefixes}
             if "direct-samehost" in modes:
-                why = same_host_transport(args.same_host_transport)
-                if why:
-                    print(f"[gpu_ttft] direct-samehost skipped: {why}", flush=True)
-                else:
-                    r = run.engine("direct-samehost", direct_config(
-                        args, run.server, f"direct-{tag}", args.same_host_transport))
-                    results["direct-samehost"] = {n: r["prompts"][str(n)]
-                                                  for n in args.prefixes}
+                same_host(run, args, results, "direct-samehost", lambda t: direct_config(
+                    args, run.server, f"direct-{tag}", t))
     finally:
         shutil.rmtree(fs_root, ignore_errors=True)
     return results
