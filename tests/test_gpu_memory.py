@@ -26,6 +26,7 @@ cuda = pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason
 
 # What each transport says about GPU memory (its `gpu_memory()` reason, and the refusals').
 WHY = {"tcp": "the TCP transport moves host memory only",
+       "shm": "the TCP transport moves host memory only",
        "rdma": "offers no domain that registers GPU memory (FI_HMEM)"}
 
 
@@ -43,7 +44,7 @@ def test_host_memory_is_host_memory_and_the_client_says_why_it_moves_no_gpu_memo
     c = client_for(memkv_server, transport)
     ok, why = c.gpu_memory()
     assert not ok and WHY[transport] in why
-    assert c.rdma_provider() == (None if transport == "tcp" else "tcp;ofi_rxm")
+    assert c.rdma_provider() == (None if transport in ("tcp", "shm") else "tcp;ofi_rxm")
     # Host memory moves as before, registered or not.
     c.register_buffer(arr.ctypes.data, arr.nbytes)
     assert c.put([b"h"], [arr]) == [Status.OK]
