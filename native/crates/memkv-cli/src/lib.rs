@@ -63,6 +63,11 @@ struct ServeArgs {
     /// 64 hex characters; clients must prove they hold it (HMAC-SHA256 challenge).
     #[arg(long, env = "MEMKV_AUTH_KEY", hide_env_values = true)]
     auth_key: Option<String>,
+    /// YAML file of tenants, each with its own credential (auth key, or client-certificate
+    /// subject under mutual TLS), key prefix, memory quota and optional read_only flag
+    /// (docs/security.md); instead of --auth-key.
+    #[arg(long, env = "MEMKV_TENANTS", hide_env_values = true, conflicts_with = "auth_key")]
+    tenants: Option<std::path::PathBuf>,
     /// Serve Prometheus metrics over HTTP at HOST:PORT/metrics. No credentials are asked there:
     /// bind it to loopback or a private network.
     #[arg(long, env = "MEMKV_METRICS", hide_env_values = true)]
@@ -322,11 +327,22 @@ fn serve(a: ServeArgs) -> Result<i32, String> {
         .transpose()
         .map_err(|e| format!("--auth-key: {e}"))?;
     let shm = shm_config(&a)?;
+    let tenants = match &a.tenants {
+        Some(path) => {
+            let (tenants, notes) = memkv_server::tenants::file::load(path, memory)?;
+            for note in notes {
+                tracing::warn!("{note}");
+            }
+            Some(tenants)
+        }
+        None => None,
+    };
     let cfg = ServerConfig {
         listen: a.listen.clone(),
         memory,
         lanes: a.lanes,
         auth_key,
+        tenants,
         metrics_listen: a.metrics,
         max_connections: a.max_connections,
         max_leased_fraction: a.max_leased_fraction,

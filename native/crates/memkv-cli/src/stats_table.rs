@@ -1,6 +1,7 @@
 //! `memkv stats` as a table: one row per server and, for a cluster, a total row. The figures an
 //! operator looks at first (items, memory in use, hit ratios) come first; the raw counters stay
-//! available with `--json`.
+//! available with `--json`. A server with tenants adds a second table, one row per tenant over
+//! every server: its memory against its quota, hit ratios, and the keys it was refused.
 
 use serde_json::Value;
 
@@ -140,11 +141,90 @@ pub fn render(rows: &[(String, Result<Value, String>)]) -> String {
     if rows.len() > 1 {
         table.push(total.cells(&format!("total ({up} of {} up)", rows.len())));
     }
-    let widths: Vec<usize> = (0..HEADER.len())
+    let mut out = align(&table);
+    for d in down {
+        out.push_str(&d);
+        out.push('\n');
+    }
+    let tenants = tenant_table(rows);
+    if tenants.len() > 1 {
+        out.push('\n');
+        out.push_str(&align(&tenants));
+    }
+    out
+}
+
+const TENANT_HEADER: [&str; 8] = [
+    "TENANT",
+    "ITEMS",
+    "MEMORY / QUOTA",
+    "USED",
+    "GET HITS",
+    "LOOKUP HITS",
+    "EVICTED",
+    "REFUSED",
+];
+
+/// One row per tenant (in the order the first server lists them), summed over the servers
+/// that answered; just the header when none has tenants.
+fn tenant_table(rows: &[(String, Result<Value, String>)]) -> Vec<Vec<String>> {
+    let mut names: Vec<String> = Vec::new();
+    let mut sums: std::collections::HashMap<String, [u64; 10]> = Default::default();
+    for v in rows.iter().filter_map(|(_, r)| r.as_ref().ok()) {
+        let Some(per) = v.get("tenants").and_then(Value::as_object) else {
+            continue;
+        };
+        for (name, t) in per {
+            if !sums.contains_key(name) {
+                names.push(name.clone());
+            }
+            let acc = sums.entry(name.clone()).or_default();
+            let fields = [
+                "items",
+                "used_bytes",
+                "quota_bytes",
+                "hits",
+                "misses",
+                "exists_hits",
+                "exists_misses",
+                "evictions",
+                "forbidden",
+                "over_quota",
+            ];
+            for (a, f) in acc.iter_mut().zip(fields) {
+                *a = a.saturating_add(num(t, f));
+            }
+        }
+    }
+    let mut table = vec![TENANT_HEADER.iter().map(|h| h.to_string()).collect()];
+    for name in names {
+        let [items, used, quota, hits, misses, eh, em, evicted, forbidden, over] = sums[&name];
+        let pct = if quota == 0 {
+            "-".to_string()
+        } else {
+            format!("{:.1}%", 100.0 * used as f64 / quota as f64)
+        };
+        table.push(vec![
+            name,
+            items.to_string(),
+            format!("{} / {}", bytes(used), bytes(quota)),
+            pct,
+            ratio(hits, misses),
+            ratio(eh, em),
+            evicted.to_string(),
+            format!("{forbidden} forbidden, {over} over quota"),
+        ]);
+    }
+    table
+}
+
+/// The rows as text columns: names left-aligned, figures right-aligned.
+fn align(table: &[Vec<String>]) -> String {
+    let widths: Vec<usize> = (0..table[0].len())
         .map(|c| table.iter().map(|r| r[c].len()).max().unwrap_or(0))
         .collect();
     let mut out = String::new();
-    for r in &table {
+    for r in table {
         let line: Vec<String> = r
             .iter()
             .zip(&widths)
@@ -159,10 +239,6 @@ pub fn render(rows: &[(String, Result<Value, String>)]) -> String {
             })
             .collect();
         out.push_str(line.join("  ").trim_end());
-        out.push('\n');
-    }
-    for d in down {
-        out.push_str(&d);
         out.push('\n');
     }
     out
@@ -207,6 +283,26 @@ mod tests {
         assert_eq!(out.lines().count(), 2);
         assert!(out.lines().nth(1).unwrap().contains("0 B / 0 B"));
         assert!(out.lines().nth(1).unwrap().contains(" - "));
+    }
+
+    #[test]
+    fn tenants_get_a_table_of_their_own_summed_over_servers() {
+        let t = |items: u64, used: u64| {
+            json!({"items": items, "used_bytes": used, "quota_bytes": 4u64 << 20, "hits": 1,
+                   "misses": 1, "forbidden": 2, "over_quota": 1})
+        };
+        let a = json!({"tenants": {"team-a": t(2, 1 << 20), "team-b": t(1, 0)}});
+        let b = json!({"tenants": {"team-a": t(1, 1 << 20)}});
+        let out = render(&[("s:1".to_string(), Ok(a)), ("s:2".to_string(), Ok(b))]);
+        let lines: Vec<&str> = out.lines().collect();
+        let at = lines.iter().position(|l| l.starts_with("TENANT")).expect(&out);
+        let a_row = lines[at + 1];
+        assert!(a_row.starts_with("team-a") && a_row.contains("2.0 MiB / 8.0 MiB"), "{a_row}");
+        assert!(a_row.contains("25.0%") && a_row.contains("50.0% of 4"), "{a_row}");
+        assert!(a_row.contains("4 forbidden, 2 over quota"), "{a_row}");
+        assert!(lines[at + 2].starts_with("team-b"));
+        let plain = render(&[("s:1".to_string(), Ok(json!({})))]);
+        assert!(!plain.contains("TENANT"));
     }
 
     #[test]

@@ -8,7 +8,7 @@
 use std::io;
 use std::time::Instant;
 
-use memkv_proto::{self as proto, ErrorCode, Header, HelloReply, Opcode, HEADER_LEN};
+use memkv_proto::{self as proto, ErrorCode, Header, HelloReply, Opcode, TenantInfo, HEADER_LEN};
 
 use crate::buf::Buf;
 use crate::transport::{Described, Link, Setup, Transport};
@@ -86,6 +86,8 @@ pub struct Conn {
     link: Box<dyn Link>,
     next_id: u64,
     pub max_value_len: u64,
+    /// The tenant our credential named, from a server with tenants (its AUTH reply).
+    pub tenant: Option<TenantInfo>,
     /// The server closes the connection after a reply with a REMOTE_ACCESS status (its path
     /// to our endpoint may be gone), so such a connection is not reused.
     spent: bool,
@@ -104,6 +106,7 @@ impl Conn {
             link,
             next_id: 1,
             max_value_len: 0,
+            tenant: None,
             spent: false,
         };
         c.link.set_deadline(deadline);
@@ -112,7 +115,8 @@ impl Conn {
         c.max_value_len = hello.max_value_len;
         if hello.auth_required {
             let key = auth_key.ok_or(ConnError::AuthRequired)?;
-            c.call(Opcode::Auth, &proto::auth_mac(key, &hello.nonce), &[])?;
+            let (_, body) = c.call(Opcode::Auth, &proto::auth_mac(key, &hello.nonce), &[])?;
+            c.tenant = TenantInfo::decode(&body)?;
         }
         let hello = match c.link.one_sided() {
             Some(side) => side.hello()?,

@@ -531,6 +531,19 @@ impl Client {
             .collect()
     }
 
+    /// The tenant our credential names on each server (None from a server without tenants),
+    /// from a connection's handshake (made now if none is open).
+    pub fn tenants(&self) -> PerServer<Option<memkv_proto::TenantInfo>> {
+        let deadline = self.deadline();
+        self.pools
+            .iter()
+            .map(|p| {
+                let r = p.with_conn(deadline, |c| Ok(c.tenant.clone()));
+                (p.addr.clone(), r.map_err(|e| e.to_string()))
+            })
+            .collect()
+    }
+
     /// Each server's state as this client sees it: up or down, and the last failure's reason.
     pub fn health(&self) -> Vec<Health> {
         self.pools.iter().map(Pool::health).collect()

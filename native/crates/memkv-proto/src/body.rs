@@ -5,6 +5,7 @@
 //! | HELLO          | (empty)                                                         |                    |
 //! | HELLO reply    | auth_required u8, nonce [32], max_value_len u64                 |                    |
 //! | AUTH           | hmac_sha256(key, nonce) [32]                                    |                    |
+//! | AUTH reply     | (empty), or with `--tenants`: `TenantInfo`                       |                    |
 //! | EXISTS         | lease_ms u32, count u32, count x (klen u16, key)                |                    |
 //! | EXISTS reply   | count u32, count x (status u8, value_len u64)                   |                    |
 //! | PUT            | count u32, count x (klen u16, key, value_len u64)               | values, in order   |
@@ -269,6 +270,50 @@ impl HelloReply {
     }
 }
 
+/// The tenant a connection's credential named, in the AUTH reply of a server started with
+/// `--tenants` (a server without tenants answers AUTH with an empty body; clients older than
+/// tenants ignore the body). Body: name_len u16, name (UTF-8), prefix_len u16, prefix,
+/// flags u8 (bit 0: read-only). Every key the connection names must start with `prefix`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantInfo {
+    pub name: String,
+    pub prefix: Vec<u8>,
+    pub read_only: bool,
+}
+
+impl TenantInfo {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(5 + self.name.len() + self.prefix.len());
+        w.u16(self.name.len() as u16)
+            .bytes(self.name.as_bytes())
+            .u16(self.prefix.len() as u16)
+            .bytes(&self.prefix)
+            .u8(self.read_only as u8);
+        w.0
+    }
+
+    /// None for an empty body (a server without tenants).
+    pub fn decode(body: &[u8]) -> Result<Option<TenantInfo>> {
+        if body.is_empty() {
+            return Ok(None);
+        }
+        let mut r = Reader::new(body);
+        let n = r.u16()? as usize;
+        let name = std::str::from_utf8(r.take(n)?)
+            .map_err(|_| ProtoError::Malformed("tenant name is not UTF-8"))?
+            .to_string();
+        let n = r.u16()? as usize;
+        let prefix = r.take(n)?.to_vec();
+        let read_only = r.u8()? & 1 != 0;
+        r.finish()?;
+        Ok(Some(TenantInfo {
+            name,
+            prefix,
+            read_only,
+        }))
+    }
+}
+
 pub fn encode_error(code: ErrorCode, msg: &str) -> Vec<u8> {
     let mut w = Writer::with_capacity(2 + msg.len());
     w.u16(code as u16).bytes(msg.as_bytes());
@@ -353,6 +398,14 @@ mod tests {
             max_value_len: 99,
         };
         assert_eq!(HelloReply::decode(&h.encode()).unwrap(), h);
+        let t = TenantInfo {
+            name: "team-a".into(),
+            prefix: b"a/".to_vec(),
+            read_only: true,
+        };
+        assert_eq!(TenantInfo::decode(&t.encode()).unwrap(), Some(t));
+        assert_eq!(TenantInfo::decode(&[]).unwrap(), None);
+        assert!(TenantInfo::decode(&[1, 0]).is_err());
         let e = encode_error(ErrorCode::AuthFailed, "wrong key");
         assert_eq!(
             decode_error(&e).unwrap(),
@@ -373,6 +426,7 @@ mod tests {
         let _ = decode_statuses(body, 3);
         let _ = decode_status_lens(body, 2);
         let _ = HelloReply::decode(body);
+        let _ = TenantInfo::decode(body);
         let _ = decode_error(body);
         Ok(())
     }

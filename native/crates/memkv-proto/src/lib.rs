@@ -68,6 +68,16 @@ macro_rules! with_wire_statuses {
                 /// registration, or the client's endpoint gone). PUT: nothing stored. GET: the
                 /// buffer may hold part of the value.
                 RemoteAccess = 9, "REMOTE_ACCESS";
+                /// The key lies outside the prefix of the connection's tenant, or the request
+                /// writes (PUT, DELETE) for a read-only tenant: nothing was looked up, leased,
+                /// stored or removed, so the answer says nothing about the key. Only servers
+                /// started with `--tenants` send it; a client older than it reads the reply as
+                /// a protocol error.
+                Forbidden = 10, "FORBIDDEN";
+                /// PUT: the tenant's memory quota is full and none of its own values can be
+                /// evicted (all leased or being sent): nothing stored, no other tenant's value
+                /// touched.
+                OverQuota = 11, "OVER_QUOTA";
             ]
             $($($rest)*)?
         }
@@ -221,13 +231,13 @@ mod tests {
     use super::Status;
 
     /// `from_u8` knows exactly the numbers of `ALL`, each its own status; docs/protocol.md's
-    /// table lists these ten.
+    /// table lists these twelve.
     #[test]
     fn wire_status_numbers_round_trip() {
         let known: Vec<u8> = (0..=255u8)
             .filter(|&v| Status::from_u8(v).is_some())
             .collect();
-        assert_eq!(known, (0..10).collect::<Vec<u8>>());
+        assert_eq!(known, (0..12).collect::<Vec<u8>>());
         for &s in Status::ALL {
             assert_eq!(Status::from_u8(s as u8), Some(s));
         }

@@ -271,6 +271,27 @@ impl PyClient {
         Ok(per_server(py.detach(|| no_panic(|| c.stats()))?, |s| s))
     }
 
+    /// [(address, (tenant name, key prefix, read-only) or None, error or None)] per server: the
+    /// tenant our credential names there (None from a server without tenants).
+    #[allow(clippy::type_complexity, reason = "the row is the Python tuple the stub spells out")]
+    fn tenants<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(String, Option<(String, Bound<'py, PyBytes>, bool)>, Option<String>)>> {
+        let c = &self.inner;
+        let rows = py.detach(|| no_panic(|| c.tenants()))?;
+        Ok(rows
+            .into_iter()
+            .map(|(a, r)| match r {
+                Ok(t) => {
+                    let t = t.map(|t| (t.name, PyBytes::new(py, &t.prefix), t.read_only));
+                    (a, t, None)
+                }
+                Err(e) => (a, None, Some(e)),
+            })
+            .collect())
+    }
+
     /// [(address, up, last failure's status code or None, its reason or None, seconds since it
     /// or None)] per server, as this client sees them; no request is sent.
     fn health(&self, py: Python<'_>) -> PyResult<HealthRows> {

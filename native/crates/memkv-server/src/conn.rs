@@ -7,6 +7,10 @@
 //! `limits::ConnLimits`). After it, every frame has a deadline in each direction (`frame::Timing`)
 //! and every buffer comes out of the server-wide byte budget. A protocol violation or a stalled
 //! request gets an error frame and the connection closes; the rest of the server is unaffected.
+//!
+//! The credential a connection proves names its tenant (`crate::tenants`); every command then
+//! answers FORBIDDEN for a key outside the tenant's prefix (and for a write by a read-only
+//! tenant) without looking the key up (`Conn::may_name`, `Conn::may_write`).
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,13 +24,14 @@ use crate::limits::{BudgetShare, ByteBudget, Permit, WarnLimiter};
 use crate::rdma::{RdmaPeer, ServerFabric};
 use crate::shm::{ShmPeer, ShmShared};
 use crate::store::Store;
+use crate::tenants::{Tenant, TenantId};
 use crate::transport::Transport;
 use crate::verify::Verifier;
 
 /// What every connection shares.
 pub struct ConnCtx {
+    /// The values, and the tenants whose credentials the handshake checks.
     pub store: Arc<Store>,
-    pub auth_key: Option<Vec<u8>>,
     pub shutdown: Arc<AtomicBool>,
     pub timing: Timing,
     /// Longest a new connection may take to finish HELLO (and AUTH when a key is set).
@@ -91,6 +96,8 @@ pub(crate) struct Conn<'a, T: Transport> {
     nonce: Option<[u8; NONCE_LEN]>,
     greeted: bool,
     authed: bool,
+    /// Whose connection it is: the implicit tenant until a credential names another.
+    tenant: TenantId,
     handshake_until: Instant,
     /// This connection's RDMA endpoint, once the client's RDMA_HELLO was accepted.
     pub(crate) rdma: Option<RdmaPeer>,
@@ -107,7 +114,8 @@ pub fn serve<T: Transport>(t: T, ctx: &ConnCtx, permit: Permit) {
         permit,
         nonce: None,
         greeted: false,
-        authed: ctx.auth_key.is_none(),
+        authed: !ctx.store.tenants.auth_required(),
+        tenant: 0,
         handshake_until: Instant::now() + ctx.handshake_timeout,
         rdma: None,
         shm: ShmPeer::default(),
@@ -170,6 +178,34 @@ pub fn serve<T: Transport>(t: T, ctx: &ConnCtx, permit: Permit) {
 }
 
 impl<'a, T: Transport> Conn<'a, T> {
+    /// The connection's tenant.
+    pub(crate) fn tenant(&self) -> &'a Tenant {
+        self.ctx.store.tenants.get(self.tenant)
+    }
+
+    pub(crate) fn tenant_id(&self) -> TenantId {
+        self.tenant
+    }
+
+    /// Whether this connection may name `key` (read it, probe it, lease it); a key it may not
+    /// is counted as forbidden.
+    pub(crate) fn may_name(&self, key: &[u8]) -> bool {
+        self.allowed(self.tenant().may_name(key))
+    }
+
+    /// Whether this connection may store or delete `key`; counted as `may_name`.
+    pub(crate) fn may_write(&self, key: &[u8]) -> bool {
+        self.allowed(self.tenant().may_write(key))
+    }
+
+    fn allowed(&self, ok: bool) -> bool {
+        if !ok {
+            let usage = &self.ctx.store.usage;
+            usage.add(self.tenant, 1, |s| &s.forbidden);
+        }
+        ok
+    }
+
     /// HELLO done, and AUTH when the server has a key.
     fn ready(&self) -> bool {
         self.greeted && self.authed
@@ -264,25 +300,33 @@ impl<'a, T: Transport> Conn<'a, T> {
                     self.permit.greeted();
                 }
                 let reply = HelloReply {
-                    auth_required: self.ctx.auth_key.is_some(),
+                    auth_required: store.tenants.auth_required(),
                     nonce,
                     max_value_len: store.max_value_len,
                 };
                 self.reply(h, &reply.encode())
             }
             Opcode::Auth => {
-                let (Some(key), Some(nonce)) = (&self.ctx.auth_key, self.nonce) else {
+                let tenants = &store.tenants;
+                let (true, Some(nonce)) = (tenants.auth_required(), self.nonce) else {
                     return Err(End::Refused(
                         ErrorCode::Malformed,
                         "AUTH without a challenge".into(),
                     ));
                 };
-                if !proto::auth_verify(key, &nonce, body) {
+                let Some(tenant) = tenants.by_answer(&nonce, body) else {
                     return Err(End::Refused(ErrorCode::AuthFailed, "wrong auth key".into()));
-                }
+                };
+                self.tenant = tenant;
                 self.authed = true;
                 self.permit.authenticated();
-                self.reply(h, &[])
+                // Tells a client with tenants its prefix; empty (as before tenants) otherwise.
+                let info = if tenants.is_named() {
+                    tenants.get(tenant).info().encode()
+                } else {
+                    Vec::new()
+                };
+                self.reply(h, &info)
             }
             Opcode::Ping => self.reply(h, &[]),
             Opcode::Stats => self.reply(h, store.stats_json().as_bytes()),

@@ -5,7 +5,9 @@
 //! writes frames through `frame` (deadlines) and runs one module of `cmd` per command on the
 //! `store` (lanes by key hash); each `lane` holds an index, S3-FIFO eviction, leases and pins
 //! over memory from `arena`; `verify` checks GET chunks ahead of the send; `metrics` counts it and
-//! `metrics_http` serves the counters on `--metrics`.
+//! `metrics_http` serves the counters on `--metrics`. `tenants` says whose each connection and
+//! value is: its prefix bounds the keys a connection names, its quota the memory its values
+//! take.
 
 pub mod arena;
 mod cmd;
@@ -22,6 +24,7 @@ pub mod shm;
 #[cfg(test)]
 mod shm_tests;
 pub mod store;
+pub mod tenants;
 pub mod transport;
 pub mod unix_transport;
 pub mod verify;

@@ -4,6 +4,60 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use crate::lane::LaneStats;
+use crate::tenants::usage::Slot;
+
+/// Each tenant's name and slot, for a server with a tenants file.
+pub type TenantRows<'a> = [(&'a str, &'a Slot)];
+
+/// A tenant's figures: (name, help, Prometheus type, value). Names are the JSON keys; the
+/// Prometheus names are `memkv_tenant_<name>` (`_total` for counters), labelled `tenant`.
+fn tenant_figures(s: &Slot) -> [(&'static str, &'static str, &'static str, u64); 12] {
+    let c = |a: &AtomicU64| a.load(Relaxed);
+    [
+        ("quota_bytes", "the tenant's memory quota", "gauge", s.quota),
+        (
+            "used_bytes",
+            "memory charged to the tenant (values and their index entries)",
+            "gauge",
+            c(&s.used),
+        ),
+        ("items", "the tenant's values stored", "gauge", c(&s.items)),
+        ("puts", "the tenant's values committed", "counter", c(&s.puts)),
+        ("hits", "the tenant's GET keys served", "counter", c(&s.hits)),
+        ("misses", "the tenant's GET keys not served", "counter", c(&s.misses)),
+        ("exists_hits", "the tenant's EXISTS keys found", "counter", c(&s.exists_hits)),
+        (
+            "exists_misses",
+            "the tenant's EXISTS keys not found",
+            "counter",
+            c(&s.exists_misses),
+        ),
+        (
+            "evictions",
+            "the tenant's values evicted",
+            "counter",
+            c(&s.evictions),
+        ),
+        (
+            "quota_evictions",
+            "the tenant's values evicted to make room under its own quota",
+            "counter",
+            c(&s.quota_evictions),
+        ),
+        (
+            "forbidden",
+            "keys answered FORBIDDEN (outside the tenant's prefix, or a write of a read-only tenant)",
+            "counter",
+            c(&s.forbidden),
+        ),
+        (
+            "over_quota",
+            "PUT keys answered OVER_QUOTA",
+            "counter",
+            c(&s.over_quota),
+        ),
+    ]
+}
 
 /// Error kinds counted separately; each is a label value of `memkv_errors_total`.
 pub const ERROR_KINDS: [&str; 20] = [
@@ -121,7 +175,13 @@ impl Metrics {
     }
 
     /// JSON object for the STATS op and `memkv stats`.
-    pub fn to_json(&self, lanes: &LaneStats, n_lanes: usize) -> String {
+    /// `tenants`: a server with a tenants file adds `"tenants": {name: {figure: value}}`.
+    pub fn to_json(
+        &self,
+        lanes: &LaneStats,
+        n_lanes: usize,
+        tenants: Option<&TenantRows<'_>>,
+    ) -> String {
         let mut m = serde_json::Map::new();
         for (name, _, v) in self.counters() {
             m.insert(name.into(), v.into());
@@ -141,10 +201,23 @@ impl Metrics {
         m.insert("receiving_bytes".into(), lanes.receiving_bytes.into());
         m.insert("index_bytes".into(), lanes.index_bytes.into());
         m.insert("lanes".into(), n_lanes.into());
+        if let Some(rows) = tenants {
+            let per: serde_json::Map<_, _> = rows
+                .iter()
+                .map(|(name, slot)| {
+                    let figs: serde_json::Map<_, _> = tenant_figures(slot)
+                        .iter()
+                        .map(|(k, _, _, v)| (k.to_string(), (*v).into()))
+                        .collect();
+                    (name.to_string(), figs.into())
+                })
+                .collect();
+            m.insert("tenants".into(), per.into());
+        }
         serde_json::Value::Object(m).to_string()
     }
 
-    pub fn to_prometheus(&self, lanes: &LaneStats) -> String {
+    pub fn to_prometheus(&self, lanes: &LaneStats, tenants: Option<&TenantRows<'_>>) -> String {
         let mut s = String::new();
         for (name, help, v) in self.counters() {
             let full = format!("memkv_{name}_total");
@@ -210,6 +283,28 @@ impl Metrics {
         ] {
             let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
         }
+        if let Some(rows) = tenants {
+            write_tenants(&mut s, rows);
+        }
         s
+    }
+}
+
+/// The per-tenant families, one sample per tenant (names are checked to need no escaping).
+fn write_tenants(s: &mut String, rows: &TenantRows<'_>) {
+    let Some((_, first)) = rows.first() else {
+        return;
+    };
+    for (i, (name, help, kind, _)) in tenant_figures(first).iter().enumerate() {
+        let full = if *kind == "counter" {
+            format!("memkv_tenant_{name}_total")
+        } else {
+            format!("memkv_tenant_{name}")
+        };
+        let _ = writeln!(s, "# HELP {full} {help}\n# TYPE {full} {kind}");
+        for (tenant, slot) in rows {
+            let v = tenant_figures(slot)[i].3;
+            let _ = writeln!(s, "{full}{{tenant=\"{tenant}\"}} {v}");
+        }
     }
 }

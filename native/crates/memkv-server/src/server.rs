@@ -17,6 +17,7 @@ use crate::metrics_http;
 use crate::rdma::{RdmaConfig, ServerFabric};
 use crate::shm::{ShmConfig, ShmListener, ShmShared};
 use crate::store::Store;
+use crate::tenants::Tenants;
 use crate::transport::{TcpTransport, Transport};
 use crate::verify::Verifier;
 
@@ -32,7 +33,11 @@ pub struct ServerConfig {
     pub listen: String,
     pub memory: u64,
     pub lanes: usize,
+    /// The one key every client shares (the implicit tenant); None with `tenants` or without
+    /// auth.
     pub auth_key: Option<Vec<u8>>,
+    /// The tenants of `--tenants FILE` (each with its own credential, prefix and quota).
+    pub tenants: Option<Tenants>,
     pub metrics_listen: Option<String>,
     pub max_connections: usize,
     /// Share of each lane's memory that may be pinned: leased, or being sent or received.
@@ -61,6 +66,7 @@ impl Default for ServerConfig {
             memory: 1 << 30,
             lanes: 4,
             auth_key: None,
+            tenants: None,
             metrics_listen: None,
             max_connections: 1024,
             max_leased_fraction: 0.5,
@@ -117,7 +123,19 @@ impl Server {
     /// Reserves memory, binds the listeners and starts serving in background threads.
     pub fn start(cfg: ServerConfig) -> io::Result<Server> {
         let listen = resolve("--listen", &cfg.listen)?;
-        let store = Store::new(cfg.memory, cfg.lanes, cfg.max_leased_fraction).map_err(|e| {
+        let tenants = match (&cfg.tenants, &cfg.auth_key) {
+            (Some(_), Some(_)) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "--tenants and --auth-key: give one (each tenant has its own auth_key)",
+                ))
+            }
+            (Some(t), None) => t.clone(),
+            (None, key) => Tenants::implicit(key.clone()),
+        };
+        let auth = tenants.auth_required();
+        let store = Store::with_tenants(cfg.memory, cfg.lanes, cfg.max_leased_fraction, tenants);
+        let store = store.map_err(|e| {
             io::Error::new(
                 e.kind(),
                 format!("--memory: cannot reserve {} bytes: {e}", cfg.memory),
@@ -149,7 +167,6 @@ impl Server {
             .unwrap_or_else(|| default_buffer_budget(cfg.memory));
         let ctx = Arc::new(ConnCtx {
             store: store.clone(),
-            auth_key: cfg.auth_key.clone(),
             shutdown: shutdown.clone(),
             timing: Timing {
                 frame_timeout: cfg.frame_timeout,
@@ -189,7 +206,7 @@ impl Server {
             http.set_nonblocking(true)?;
             let bound = http.local_addr()?;
             metrics_addr = Some(bound);
-            if cfg.auth_key.is_some() && !bound.ip().is_loopback() {
+            if auth && !bound.ip().is_loopback() {
                 tracing::warn!(
                     metrics = %m,
                     "--metrics serves counters without credentials to anyone who can reach it"
@@ -207,7 +224,8 @@ impl Server {
             memory_bytes = store.lane_stats().capacity_bytes,
             lanes = store.lane_count(),
             max_value_bytes = store.max_value_len,
-            auth = cfg.auth_key.is_some(),
+            auth,
+            tenants = store.tenants.is_named().then(|| store.tenants.len()).unwrap_or(0),
             buffer_budget_bytes = budget,
             metrics = %metrics_addr.map_or("off".to_string(), |a| a.to_string()),
             shm_socket = shm_socket.as_deref().unwrap_or("off"),

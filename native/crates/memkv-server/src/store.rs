@@ -1,4 +1,5 @@
-//! The store: lanes addressed by key hash, plus the server-wide limits and counters.
+//! The store: lanes addressed by key hash, plus the server-wide limits and counters, and the
+//! tenants whose quotas the lanes charge (`crate::tenants`).
 
 use std::time::Duration;
 
@@ -6,22 +7,38 @@ use memkv_proto::Status;
 
 use crate::lane::{Lane, LaneStats, Pinned, Reservation, Value};
 use crate::metrics::Metrics;
+use crate::tenants::usage::Usage;
+use crate::tenants::{TenantId, Tenants};
 use std::sync::Arc;
 
 pub struct Store {
     lanes: Vec<Lane>,
     pub max_value_len: u64,
     pub metrics: Arc<Metrics>,
+    pub tenants: Arc<Tenants>,
+    /// Each tenant's memory and counters, shared with the lanes.
+    pub usage: Arc<Usage>,
 }
 
 impl Store {
     /// Splits `memory` bytes evenly over `lanes` lanes, reserving and pre-faulting all of it now.
     /// Each lane's share bounds its values and its index together (see `lane::index_charge`).
     pub fn new(memory: u64, lanes: usize, max_leased_fraction: f64) -> std::io::Result<Store> {
+        Store::with_tenants(memory, lanes, max_leased_fraction, Tenants::implicit(None))
+    }
+
+    /// `new`, with the values charged to `tenants`' quotas.
+    pub fn with_tenants(
+        memory: u64,
+        lanes: usize,
+        max_leased_fraction: f64,
+        tenants: Tenants,
+    ) -> std::io::Result<Store> {
         let lanes = lanes.max(1);
         let per_lane = (memory / lanes as u64) as usize;
+        let usage = Arc::new(Usage::new(tenants.iter().map(|t| t.quota)));
         let lanes = (0..lanes)
-            .map(|_| Lane::new(per_lane, max_leased_fraction))
+            .map(|_| Lane::with_usage(per_lane, max_leased_fraction, usage.clone()))
             .collect::<std::io::Result<Vec<_>>>()?;
         // Announced for the longest key, so a value under the limit fits under any key.
         let max_value_len = lanes[0].max_value_len(memkv_proto::MAX_KEY_LEN);
@@ -29,6 +46,8 @@ impl Store {
             lanes,
             max_value_len,
             metrics: Arc::default(),
+            tenants: Arc::new(tenants),
+            usage,
         })
     }
 
@@ -42,10 +61,39 @@ impl Store {
     }
 
     pub fn reserve(&self, key: &[u8], len: u64) -> Result<Reservation<'_>, Status> {
+        self.reserve_as(0, key, len)
+    }
+
+    /// Room for `tenant`'s value of `len` bytes under `key`. When its quota is full the
+    /// tenant's own values go first, in its key's lane and then in the others (each lane
+    /// locked on its own); OverQuota when none of them can go (all leased or being sent), and
+    /// then no other tenant's value was touched.
+    pub fn reserve_as(
+        &self,
+        tenant: TenantId,
+        key: &[u8],
+        len: u64,
+    ) -> Result<Reservation<'_>, Status> {
         if len > self.max_value_len {
             return Err(Status::TooLarge);
         }
-        self.lane(key).reserve(key.len(), len)
+        // Larger than the whole quota: refused before any of the tenant's values goes for it.
+        let need = crate::arena::footprint(len) + crate::lane::index_charge(key.len(), len);
+        if need > self.usage.slot(tenant).quota {
+            return Err(Status::OverQuota);
+        }
+        let home = self.lane_index(key);
+        loop {
+            match self.lanes[home].reserve_as(tenant, key.len(), len) {
+                Err(Status::OverQuota) => {
+                    let n = self.lanes.len();
+                    if !(0..n).any(|i| self.lanes[(home + i) % n].evict_own(tenant)) {
+                        return Err(Status::OverQuota);
+                    }
+                }
+                r => return r,
+            }
+        }
     }
 
     pub fn commit(&self, key: &[u8], res: Reservation<'_>, checksums: Vec<u64>) {
@@ -140,7 +188,25 @@ impl Store {
     }
 
     pub fn stats_json(&self) -> String {
-        self.metrics.to_json(&self.lane_stats(), self.lanes.len())
+        let tenants = self.tenants.is_named().then(|| self.tenant_rows());
+        self.metrics
+            .to_json(&self.lane_stats(), self.lanes.len(), tenants.as_deref())
+    }
+
+    /// Prometheus text for `--metrics`.
+    pub fn prometheus(&self) -> String {
+        let tenants = self.tenants.is_named().then(|| self.tenant_rows());
+        self.metrics
+            .to_prometheus(&self.lane_stats(), tenants.as_deref())
+    }
+
+    /// Each tenant's name with its slot, in table order.
+    fn tenant_rows(&self) -> Vec<(&str, &crate::tenants::usage::Slot)> {
+        self.tenants
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.as_str(), self.usage.slot(i as TenantId)))
+            .collect()
     }
 }
 
@@ -200,6 +266,115 @@ mod tests {
             );
             assert!(s.exists(&[], Duration::ZERO).is_empty());
         }
+    }
+
+    fn two_tenants(quota_a: u64, lanes: usize) -> Store {
+        let t = |name: &str, key: u8, quota: u64| crate::tenants::Tenant {
+            name: name.into(),
+            auth_key: Some(vec![key; 32]),
+            cert_subject: None,
+            prefix: format!("{name}/").into_bytes(),
+            quota,
+            read_only: false,
+        };
+        let tenants = Tenants::named(vec![t("a", 1, quota_a), t("b", 2, 1 << 30)]).unwrap();
+        Store::with_tenants(8 << 20, lanes, 0.5, tenants).unwrap()
+    }
+
+    fn put_as(s: &Store, t: TenantId, key: &str, len: u64) -> Status {
+        match s.reserve_as(t, key.as_bytes(), len) {
+            Ok(r) => {
+                s.commit(key.as_bytes(), r, memkv_proto::chunk_checksums(&vec![0; len as usize]));
+                Status::Ok
+            }
+            Err(st) => st,
+        }
+    }
+
+    fn used(s: &Store, t: TenantId) -> u64 {
+        s.usage.slot(t).used.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// One value of 64 KiB under a key like "a/1", as the lanes charge it.
+    const CHARGE: u64 = (64 << 10) + crate::lane::ENTRY_OVERHEAD + 3 + 8;
+
+    /// Over several lanes the victim is the oldest of the tenant's values in the first lane
+    /// that has one (its key's own, first): lanes never lock each other.
+    #[test]
+    fn a_tenant_at_its_quota_evicts_its_own_values_and_no_one_elses() {
+        for lanes in [1, 4] {
+            let s = two_tenants(4 * CHARGE, lanes);
+            for i in 0..4 {
+                assert_eq!(put_as(&s, 1, &format!("b/{i}"), 64 << 10), Status::Ok);
+            }
+            for i in 0..10 {
+                assert_eq!(put_as(&s, 0, &format!("a/{i}"), 64 << 10), Status::Ok);
+                assert!(used(&s, 0) <= 4 * CHARGE, "{} over the quota", used(&s, 0));
+            }
+            let has = |k: &str| s.exists(&[k.as_bytes()], Duration::ZERO)[0].0 == Status::Ok;
+            assert!((0..4).all(|i| has(&format!("b/{i}"))), "b's values untouched");
+            assert!(has("a/9"), "the value just stored stays");
+            if lanes == 1 {
+                assert!((6..10).all(|i| has(&format!("a/{i}"))), "a keeps its newest");
+            }
+            let (a, b) = (s.usage.slot(0), s.usage.slot(1));
+            let n =
+                |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+            assert_eq!((n(&a.evictions), n(&a.quota_evictions), n(&a.items)), (6, 6, 4));
+            assert_eq!((n(&b.evictions), n(&b.items)), (0, 4));
+            assert_eq!(used(&s, 1), 4 * CHARGE);
+        }
+    }
+
+    #[test]
+    fn a_tenant_with_nothing_of_its_own_to_evict_is_refused_and_others_keep_theirs() {
+        let s = two_tenants(2 * CHARGE, 4);
+        assert_eq!(put_as(&s, 1, "b/0", 64 << 10), Status::Ok);
+        assert_eq!(put_as(&s, 0, "a/0", 64 << 10), Status::Ok);
+        assert_eq!(put_as(&s, 0, "a/1", 64 << 10), Status::Ok);
+        // Both of a's values leased: none of its own can go.
+        let leased = s.exists(&[b"a/0", b"a/1"], Duration::from_secs(60));
+        assert!(leased.iter().all(|(st, _)| *st == Status::Ok));
+        assert_eq!(put_as(&s, 0, "a/2", 64 << 10), Status::OverQuota);
+        assert_eq!(s.exists(&[b"b/0"], Duration::ZERO)[0].0, Status::Ok);
+        assert_eq!(used(&s, 0), 2 * CHARGE, "a refused PUT charges nothing");
+        assert_eq!(s.lane_stats().evictions, 0);
+        // A value larger than the whole quota is refused without evicting anything.
+        let s = two_tenants(2 * CHARGE, 4);
+        assert_eq!(put_as(&s, 0, "a/0", 64 << 10), Status::Ok);
+        assert_eq!(put_as(&s, 0, "a/big", 3 * CHARGE), Status::OverQuota);
+        assert_eq!(s.exists(&[b"a/0"], Duration::ZERO)[0].0, Status::Ok);
+    }
+
+    #[test]
+    fn overwrites_deletes_and_dropped_reservations_give_the_quota_back() {
+        let s = two_tenants(1 << 30, 4);
+        assert_eq!(put_as(&s, 0, "a/x", 1000), Status::Ok);
+        let one = used(&s, 0);
+        assert_eq!(put_as(&s, 0, "a/x", 1000), Status::Ok);
+        assert_eq!(used(&s, 0), one, "an overwrite replaces the charge");
+        let r = s.reserve_as(0, b"a/y", 5000).ok().unwrap();
+        assert!(used(&s, 0) > one, "a value being received is charged");
+        drop(r);
+        assert_eq!(used(&s, 0), one);
+        assert_eq!(s.delete(b"a/x"), Status::Ok);
+        assert_eq!(used(&s, 0), 0);
+        assert_eq!(s.usage.slot(0).items.load(std::sync::atomic::Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn stats_show_each_tenant_only_with_a_tenants_file() {
+        let s = two_tenants(1 << 20, 4);
+        put_as(&s, 1, "b/k", 10);
+        let v: serde_json::Value = serde_json::from_str(&s.stats_json()).unwrap();
+        assert_eq!(v["tenants"]["b"]["items"], 1);
+        assert_eq!(v["tenants"]["a"]["quota_bytes"], 1 << 20);
+        let prom = s.prometheus();
+        assert!(prom.contains("memkv_tenant_items{tenant=\"b\"} 1"), "{prom}");
+        assert!(prom.contains("# TYPE memkv_tenant_puts_total counter"), "{prom}");
+        let plain = Store::new(1 << 20, 1, 0.5).unwrap();
+        assert!(!plain.stats_json().contains("tenants"));
+        assert!(!plain.prometheus().contains("tenant"));
     }
 
     #[test]

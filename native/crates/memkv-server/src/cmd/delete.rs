@@ -1,4 +1,5 @@
-//! DELETE: unlinks keys; memory returns once no transfer holds the value.
+//! DELETE: unlinks keys; memory returns once no transfer holds the value. A key the tenant may
+//! not write (outside its prefix, or any key of a read-only tenant) answers FORBIDDEN.
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -13,7 +14,12 @@ impl<T: Transport> Conn<'_, T> {
         let _share = self.key_share(body, 0, deadline)?;
         let keys = proto::decode_keys(body)?;
         let store = &*self.ctx.store;
-        let st: Vec<Status> = keys.iter().map(|k| store.delete(k)).collect();
+        let st: Vec<Status> = (keys.iter())
+            .map(|k| match self.may_write(k) {
+                true => store.delete(k),
+                false => Status::Forbidden,
+            })
+            .collect();
         store.metrics.deletes.fetch_add(
             st.iter().filter(|s| s.is_ok()).count() as u64,
             Ordering::Relaxed,

@@ -1,4 +1,6 @@
-//! EXISTS: per-key status and length; with `lease_ms` > 0 each hit is leased (see `lane`).
+//! EXISTS: per-key status and length; with `lease_ms` > 0 each hit is leased (see `lane`). A
+//! key outside the tenant's prefix answers FORBIDDEN without a lookup, so neither the answer nor
+//! its timing says whether another tenant stored it, and it is never leased.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -13,7 +15,23 @@ impl<T: Transport> Conn<'_, T> {
         let _share = self.key_share(body, 4, deadline)?;
         let (lease_ms, keys) = proto::decode_exists(body)?;
         let store = &*self.ctx.store;
-        let st = store.exists(&keys, Duration::from_millis(lease_ms as u64));
+        let lease = Duration::from_millis(lease_ms as u64);
+        let named: Vec<bool> = keys.iter().map(|k| self.may_name(k)).collect();
+        let forbidden = named.iter().filter(|n| !**n).count() as u64;
+        let st = if forbidden == 0 {
+            store.exists(&keys, lease)
+        } else {
+            let asked: Vec<&[u8]> = (keys.iter().zip(&named))
+                .filter_map(|(k, n)| n.then_some(*k))
+                .collect();
+            let mut found = store.exists(&asked, lease).into_iter();
+            (named.iter())
+                .map(|n| match n {
+                    true => found.next().expect("one answer per key asked"),
+                    false => (Status::Forbidden, 0),
+                })
+                .collect()
+        };
         // Counted here and added once: an atomic add per key on counters every connection
         // shares cost more than the lookup.
         let (mut granted, mut denied) = (0u64, 0u64);
@@ -25,9 +43,12 @@ impl<T: Transport> Conn<'_, T> {
             }
         }
         let m = &store.metrics;
+        let misses = st.len() as u64 - granted - denied - forbidden;
         m.exists_hits.fetch_add(granted + denied, Ordering::Relaxed);
-        m.exists_misses
-            .fetch_add(st.len() as u64 - granted - denied, Ordering::Relaxed);
+        m.exists_misses.fetch_add(misses, Ordering::Relaxed);
+        let usage = &store.usage;
+        usage.add(self.tenant_id(), granted + denied, |c| &c.exists_hits);
+        usage.add(self.tenant_id(), misses, |c| &c.exists_misses);
         if lease_ms > 0 {
             m.leases_granted.fetch_add(granted, Ordering::Relaxed);
             m.leases_denied.fetch_add(denied, Ordering::Relaxed);

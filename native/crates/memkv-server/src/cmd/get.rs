@@ -8,7 +8,7 @@
 //! until the reply ends, and the reply must be taken by its deadline (the frame timeout plus its
 //! bytes at the minimum rate). A key named twice in one request is served once, at its first
 //! place; its repeats answer NOT_FOUND, so a small request cannot ask for a reply larger than
-//! the store.
+//! the store. A key outside the tenant's prefix answers FORBIDDEN, unlooked-up.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -44,7 +44,12 @@ impl<'a, T: Transport> Conn<'a, T> {
         let mut st = Vec::with_capacity(items.size_hint().0);
         let mut vals = Vec::with_capacity(items.size_hint().0);
         let mut seen: HashSet<&[u8]> = HashSet::with_capacity(items.size_hint().0);
+        let (mut hits, mut misses) = (0u64, 0u64);
         for (i, (key, want)) in items.enumerate() {
+            if !self.may_name(key) {
+                st.push((Status::Forbidden, 0));
+                continue;
+            }
             let found = if seen.insert(key) {
                 store.fetch_verified(key)
             } else {
@@ -58,6 +63,7 @@ impl<'a, T: Transport> Conn<'a, T> {
                 Ok(v) => {
                     st.push((Status::LengthMismatch, v.span.len()));
                     m.misses.fetch_add(1, Ordering::Relaxed);
+                    misses += 1;
                     continue;
                 }
                 Err(Status::NoSpace) => {
@@ -68,8 +74,12 @@ impl<'a, T: Transport> Conn<'a, T> {
             };
             let len = if s == Status::Ok { want } else { 0 };
             (if s == Status::Ok { &m.hits } else { &m.misses }).fetch_add(1, Ordering::Relaxed);
+            *(if s == Status::Ok { &mut hits } else { &mut misses }) += 1;
             st.push((s, len));
         }
+        let usage = &store.usage;
+        usage.add(self.tenant_id(), hits, |c| &c.hits);
+        usage.add(self.tenant_id(), misses, |c| &c.misses);
         (st, vals)
     }
 

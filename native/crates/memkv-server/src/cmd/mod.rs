@@ -20,6 +20,8 @@ mod shm_region;
 
 use std::time::Instant;
 
+use memkv_proto::Status;
+
 use crate::conn::{Conn, End};
 use crate::limits::BudgetShare;
 use crate::transport::Transport;
@@ -43,5 +45,20 @@ impl<'a, T: Transport> Conn<'a, T> {
             .min(memkv_proto::MAX_BATCH as u32 + 1);
         self.take(count as u64 * PER_KEY, deadline)
             .ok_or_else(|| self.busy())
+    }
+
+    /// Counts a PUT key the store refused (`Store::reserve_as`'s error).
+    fn count_refused(&self, s: Status) {
+        let store = &*self.ctx.store;
+        match s {
+            Status::OverQuota => store.usage.add(self.tenant_id(), 1, |c| &c.over_quota),
+            Status::TooLarge => store.metrics.error("too_large"),
+            _ => store.metrics.error("no_space"),
+        }
+    }
+
+    /// Counts `n` values committed for this connection's tenant.
+    fn count_puts(&self, n: u64) {
+        self.ctx.store.usage.add(self.tenant_id(), n, |c| &c.puts);
     }
 }

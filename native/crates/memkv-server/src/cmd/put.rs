@@ -27,8 +27,16 @@ impl<T: Transport> Conn<'_, T> {
         }
         let store = &*self.ctx.store;
         let mut st = Vec::with_capacity(items.len());
+        let mut committed = 0;
         for (key, len) in items {
-            match store.reserve(key, len) {
+            // Outside the tenant's prefix (or read-only): the value is read off and dropped,
+            // the store never asked.
+            let reserved = if self.may_write(key) {
+                store.reserve_as(self.tenant_id(), key, len)
+            } else {
+                Err(Status::Forbidden)
+            };
+            match reserved {
                 Ok(mut res) => {
                     // Each chunk is hashed piece by piece as its bytes land (still in cache), so
                     // the reply waits only for the hash of the last piece, not of a whole chunk.
@@ -45,19 +53,19 @@ impl<T: Transport> Conn<'_, T> {
                     store.commit(key, res, sums);
                     store.metrics.puts.fetch_add(1, Ordering::Relaxed);
                     store.metrics.bytes_in.fetch_add(len, Ordering::Relaxed);
+                    committed += 1;
                     st.push(Status::Ok);
                 }
                 Err(s) => {
-                    store.metrics.error(if s == Status::TooLarge {
-                        "too_large"
-                    } else {
-                        "no_space"
-                    });
+                    if s != Status::Forbidden {
+                        self.count_refused(s);
+                    }
                     self.discard(len, deadline)?;
                     st.push(s);
                 }
             }
         }
+        self.count_puts(committed);
         self.reply(h, &proto::encode_statuses(&st))
     }
 

@@ -25,18 +25,21 @@ impl<T: Transport> Conn<'_, T> {
         let mut res: Vec<Option<Reservation<'_>>> = Vec::with_capacity(items.len());
         let mut ops = Vec::new();
         for (i, (key, d)) in items.iter().enumerate() {
-            match store.reserve(key, d.len) {
+            let reserved = if self.may_write(key) {
+                store.reserve_as(self.tenant_id(), key, d.len)
+            } else {
+                Err(Status::Forbidden)
+            };
+            match reserved {
                 Ok(mut r) => {
                     let local = r.bytes_mut().as_mut_ptr() as usize;
                     self.pieces(false, local, d, i, &mut ops)?;
                     res.push(Some(r));
                 }
                 Err(s) => {
-                    store.metrics.error(if s == Status::TooLarge {
-                        "too_large"
-                    } else {
-                        "no_space"
-                    });
+                    if s != Status::Forbidden {
+                        self.count_refused(s);
+                    }
                     st[i] = s;
                     res.push(None);
                 }
@@ -45,6 +48,7 @@ impl<T: Transport> Conn<'_, T> {
         // On an error here the endpoint is closed before `res` drops the reservations.
         let ok = self.run_rma(&ops, items.len(), deadline)?;
         let mut failed = false;
+        let mut committed = 0;
         for (i, ((key, d), r)) in items.iter().zip(res).enumerate() {
             let Some(mut r) = r else { continue };
             if !ok[i] {
@@ -67,7 +71,9 @@ impl<T: Transport> Conn<'_, T> {
             store.commit(key, r, sums);
             store.metrics.puts.fetch_add(1, Ordering::Relaxed);
             store.metrics.bytes_in.fetch_add(d.len, Ordering::Relaxed);
+            committed += 1;
         }
+        self.count_puts(committed);
         self.reply(h, &proto::encode_statuses(&st))?;
         Ok(failed)
     }

@@ -31,20 +31,21 @@ impl<T: Transport> Conn<'_, T> {
         let mut done: Vec<(usize, Reservation<'_>)> = Vec::with_capacity(items.len());
         let mut failed = false;
         for (i, (key, d)) in items.iter().enumerate() {
+            // Checked before the descriptor: a key the tenant may not write costs no copy.
+            if !self.may_write(key) {
+                st[i] = Status::Forbidden;
+                continue;
+            }
             let place = if d.len == 0 { None } else { self.shm.place(d) };
             if d.len != 0 && place.is_none() {
                 st[i] = Status::RemoteAccess;
                 failed = true;
                 continue;
             }
-            let mut r = match store.reserve(key, d.len) {
+            let mut r = match store.reserve_as(self.tenant_id(), key, d.len) {
                 Ok(r) => r,
                 Err(s) => {
-                    store.metrics.error(if s == Status::TooLarge {
-                        "too_large"
-                    } else {
-                        "no_space"
-                    });
+                    self.count_refused(s);
                     st[i] = s;
                     continue;
                 }
@@ -79,6 +80,7 @@ impl<T: Transport> Conn<'_, T> {
             });
         }
         let mut bytes = 0;
+        self.count_puts(done.len() as u64);
         for (i, mut r) in done {
             let (key, d) = &items[i];
             let sums: Vec<u64> = if d.len == 0 {

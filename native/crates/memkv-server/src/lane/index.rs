@@ -57,6 +57,8 @@ pub(super) struct Entry {
     pub(super) lease_until: Option<Instant>,
     /// Index bytes charged for this entry (`index_charge`).
     pub(super) charge: u64,
+    /// Whose value it is (charged to that tenant's quota).
+    pub(super) tenant: crate::tenants::TenantId,
 }
 
 #[cfg(test)]

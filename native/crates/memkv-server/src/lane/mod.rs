@@ -3,7 +3,9 @@
 //!
 //! The lane holds its parts under one lock: the index (`index`), S3-FIFO's eviction queues
 //! (`s3fifo`), the leases (`leases`), and the counts of bytes being received and sent, held by
-//! the handles of `pins`.
+//! the handles of `pins`. Each value belongs to a tenant (`crate::tenants`): the lane charges
+//! it to the tenant's quota from reservation until it leaves the index, and under the tenant's
+//! own pressure (its quota full) evicts only that tenant's values (`Lane::evict_own`).
 
 mod index;
 mod leases;
@@ -19,6 +21,8 @@ use std::time::{Duration, Instant};
 use memkv_proto::Status;
 
 use crate::arena::{footprint, LaneMemory};
+use crate::tenants::usage::Usage;
+use crate::tenants::TenantId;
 pub use index::{index_charge, Value, ENTRY_OVERHEAD};
 use index::{Entry, Key};
 use leases::Leases;
@@ -41,6 +45,8 @@ struct Inner {
     /// Index memory charged against the lane's capacity, with the value bytes.
     index_bytes: u64,
     next_gen: u64,
+    /// Each tenant's charge against its quota; shared by every lane of the store.
+    usage: Arc<Usage>,
 }
 
 impl Inner {
@@ -65,6 +71,12 @@ impl Inner {
         self.queues.forget(&e);
         self.leases.release(&mut e);
         self.index_bytes -= e.charge;
+        self.usage
+            .release(e.tenant, footprint(e.value.span.len()) + e.charge);
+        self.usage
+            .slot(e.tenant)
+            .items
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         true
     }
 }
@@ -91,7 +103,17 @@ pub struct Lane {
 }
 
 impl Lane {
+    /// A lane whose values all belong to the implicit tenant, without a quota.
     pub fn new(bytes: usize, max_leased_fraction: f64) -> std::io::Result<Lane> {
+        Lane::with_usage(bytes, max_leased_fraction, Arc::new(Usage::unbounded()))
+    }
+
+    /// A lane charging its values to the tenants of `usage`.
+    pub fn with_usage(
+        bytes: usize,
+        max_leased_fraction: f64,
+        usage: Arc<Usage>,
+    ) -> std::io::Result<Lane> {
         let mem = LaneMemory::new(bytes)?;
         let max_pinned_bytes = (mem.capacity() as f64 * max_leased_fraction) as u64;
         Ok(Lane {
@@ -104,6 +126,7 @@ impl Lane {
                 receiving: 0,
                 index_bytes: 0,
                 next_gen: 1,
+                usage,
             }),
             max_pinned_bytes,
             evictions: Default::default(),
@@ -138,6 +161,18 @@ impl Lane {
     /// evicted or the bytes being received are at their bound (the same share as pins: slow
     /// writers cannot reserve the whole lane, nor readers pin it).
     pub fn reserve(&self, key_len: usize, len: u64) -> Result<Reservation<'_>, Status> {
+        self.reserve_as(0, key_len, len)
+    }
+
+    /// `reserve` for tenant `tenant`, charged to its quota first: OverQuota, with nothing
+    /// evicted, when the charge does not fit (the store then evicts the tenant's own values,
+    /// `evict_own`, and asks again).
+    pub fn reserve_as(
+        &self,
+        tenant: TenantId,
+        key_len: usize,
+        len: u64,
+    ) -> Result<Reservation<'_>, Status> {
         let charge = index_charge(key_len, len);
         if footprint(len).saturating_add(charge) > self.capacity() {
             return Err(Status::TooLarge);
@@ -147,8 +182,11 @@ impl Lane {
         if inner.receiving > 0 && inner.receiving + len > self.max_pinned_bytes {
             return Err(Status::NoSpace);
         }
+        let need = footprint(len) + charge;
+        if !inner.usage.try_charge(tenant, need) {
+            return Err(Status::OverQuota);
+        }
         loop {
-            let need = footprint(len) + charge;
             let room = self.mem.used() + inner.index_bytes + need <= self.capacity();
             if let Some(span) = room.then(|| self.mem.alloc(len)).flatten() {
                 inner.index_bytes += charge;
@@ -157,9 +195,11 @@ impl Lane {
                     span: Some(span),
                     lane: self,
                     charge,
+                    tenant,
                 });
             }
             if !self.evict_one(inner) {
+                inner.usage.release(tenant, need);
                 return Err(Status::NoSpace);
             }
         }
@@ -168,7 +208,7 @@ impl Lane {
     /// Makes a filled reservation visible under `key`, replacing any older value.
     pub fn commit(&self, key: &[u8], mut res: Reservation<'_>, checksums: Vec<u64>) {
         let span = res.span.take().expect("committed once");
-        let charge = res.charge;
+        let (charge, tenant) = (res.charge, res.tenant);
         let value = Arc::new(Value { span, checksums });
         let key: Key = Arc::from(key);
         let mut guard = self.inner.lock().unwrap();
@@ -188,8 +228,14 @@ impl Lane {
                 in_main,
                 lease_until: None,
                 charge,
+                tenant,
             },
         );
+        inner
+            .usage
+            .slot(tenant)
+            .items
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         inner.compact();
     }
 
@@ -300,8 +346,37 @@ impl Lane {
         let Some(key) = inner.queues.victim(&mut inner.index, self.capacity() / 10) else {
             return false;
         };
-        inner.remove(&key);
+        self.evict(inner, &key);
+        true
+    }
+
+    /// Evicts `key`, counting it for the lane and for its tenant.
+    fn evict(&self, inner: &mut Inner, key: &[u8]) {
+        let tenant = inner.index.get(key).map_or(0, |e| e.tenant);
+        inner.remove(key);
         self.evictions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let slot = inner.usage.slot(tenant);
+        slot.evictions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Evicts one of `tenant`'s values here, to make room under its quota (its own pressure
+    /// never takes another tenant's values). The victim is the first of its values in S3-FIFO
+    /// order that is not pinned, one not read since it was queued first. False when the lane
+    /// holds none it may evict.
+    pub fn evict_own(&self, tenant: TenantId) -> bool {
+        let mut guard = self.inner.lock().unwrap();
+        let inner = &mut *guard;
+        inner.leases.expire(&mut inner.index, Instant::now());
+        let Some(key) = inner.queues.victim_of(&inner.index, |e| e.tenant == tenant) else {
+            return false;
+        };
+        self.evict(inner, &key);
+        inner
+            .usage
+            .slot(tenant)
+            .quota_evictions
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         true
     }

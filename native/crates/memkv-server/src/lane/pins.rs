@@ -16,6 +16,7 @@ pub struct Reservation<'a> {
     pub(super) span: Option<Span>,
     pub(super) lane: &'a Lane,
     pub(super) charge: u64,
+    pub(super) tenant: crate::tenants::TenantId,
 }
 
 impl Reservation<'_> {
@@ -33,6 +34,9 @@ impl Drop for Reservation<'_> {
             let mut inner = self.lane.inner.lock().unwrap();
             inner.index_bytes -= self.charge;
             inner.receiving -= span.len();
+            inner
+                .usage
+                .release(self.tenant, crate::arena::footprint(span.len()) + self.charge);
             drop(inner);
             drop(span);
         }
