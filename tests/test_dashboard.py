@@ -1,5 +1,6 @@
 """The Grafana dashboard queries only metrics a real `memkv serve --metrics` exports (the tier's
-half is checked where vLLM is installed: tests/tier/test_dashboard_tier.py)."""
+half is checked where vLLM is installed: tests/tier/test_dashboard_tier.py), the tenant panels
+those of a server with tenants."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import urllib.request
 
 import numpy as np
 from dashboard import exposed, load, metric_names, queries
+from test_tenants import KEY_A, client, tenant_server
 
 from memkv_vllm.core.client import MemKVClient, Status
 from memkv_vllm.core.config import MemKVConfig
@@ -37,11 +39,28 @@ def test_every_server_metric_the_dashboard_queries_is_exported(memkv_server_fact
         assert m in names, m
 
 
+def test_every_tenant_metric_the_dashboard_queries_is_exported_per_tenant(
+        memkv_server_factory, tmp_path) -> None:
+    srv = tenant_server(memkv_server_factory, tmp_path, metrics=True)
+    assert client(srv, KEY_A).put([b"a/1"], [np.ones(4096, np.uint8)]) == [Status.OK]
+    text = scrape(srv)
+    names = {m for m in metric_names(load()) if m.startswith("memkv_tenant_")}
+    assert names >= {"memkv_tenant_used_bytes", "memkv_tenant_quota_bytes",
+                     "memkv_tenant_hits_total", "memkv_tenant_evictions_total",
+                     "memkv_tenant_forbidden_total", "memkv_tenant_over_quota_total"}
+    assert not names - exposed(text), names - exposed(text)
+    for m in names:  # each sample carries the label the dashboard's variable selects by
+        samples = [ln for ln in text.splitlines() if ln.startswith(m + "{")]
+        assert samples and all('tenant="' in ln for ln in samples), m
+    tenant_queries = [q for q in queries(load()) if "memkv_tenant_" in q]
+    assert all('tenant=~"$tenant"' in q for q in tenant_queries if "label_values" not in q)
+
+
 def test_the_dashboard_is_well_formed() -> None:
     dash = load()
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
-    assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "instance"}
+    assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "instance", "tenant"}
     for p in dash["panels"]:
         if p["type"] != "row":
             assert p["targets"] and p["description"], p["title"]

@@ -52,6 +52,14 @@ def test_rank_and_group_separate_keys_inside_one_namespace(block_hash, group, r1
     assert len(k1) == 4 + 16 + 2 + 4 + len(block_hash)
 
 
+def test_the_spec_prefix_leads_every_key():
+    """A tenant's keys must start with its prefix on the server: the spec prefix is the start."""
+    layout = attrs.evolve(BASE, spec_prefix="team-a/")
+    key = layout.key(b"h" * 32, 0, 1)
+    assert key.startswith(b"team-a/mkD1") and key.startswith(layout.prefix)
+    assert BASE.key(b"h" * 32, 0, 1).startswith(b"mkD1")
+
+
 def test_rank_outside_tp_size_raises():
     with pytest.raises(ValueError, match="TP size"):
         BASE.key(b"h" * 32, 0, 4)

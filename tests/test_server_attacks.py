@@ -1,11 +1,15 @@
 """Attacks on a real `memkv serve` from outside that once exhausted it: floods of its metrics port,
 a low open-files limit turned into a lockout, and requests that announce more than they send.
-Each test drives the real server with raw sockets and failed against the server before its fix."""
+Each test drives the real server with raw sockets and failed against the server before its fix;
+the last ones are tenants trying to reach beyond their key prefix."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import select
 import socket
+import struct
 import time
 import urllib.request
 from pathlib import Path
@@ -13,6 +17,9 @@ from pathlib import Path
 import pytest
 from memkv_procs import proc_status
 from test_server import (
+    AUTH,
+    DELETE,
+    EXISTS,
     GET,
     HELLO,
     PING,
@@ -23,11 +30,25 @@ from test_server import (
     header,
     hello,
     key_lens,
+    read_frame,
+    recv_exact,
 )
-from test_server_limits import KEY, MALFORMED, STALLED, authed, error_code, round_trip_s, rss
+from test_server_limits import (
+    KEY,
+    MALFORMED,
+    STALLED,
+    UNAUTHENTICATED,
+    authed,
+    error_code,
+    round_trip_s,
+    rss,
+)
+from test_tenants import KEY_A, KEY_B, tenant_server
 
 from memkv_vllm.core.client import MemKVClient, Status
 from memkv_vllm.core.config import MemKVConfig
+
+AUTH_FAILED = 7
 
 
 def open_fds(srv) -> int:
@@ -191,3 +212,98 @@ def test_a_body_on_a_request_that_takes_none_is_refused_unread(memkv_server_fact
     s = authed(srv)
     s.sendall(header(op, 16 << 20) + b"x" * 100)
     assert_closed_with_error(s, MALFORMED)
+
+
+def tenant_conn(srv, key: str) -> tuple[socket.socket, bytes]:
+    """A raw connection authenticated with `key`, and the AUTH reply's body (its tenant)."""
+    s = connect(srv)
+    s.sendall(header(HELLO, 0))
+    _, body, _ = read_frame(s)
+    s.sendall(header(AUTH, 32) + hmac.new(bytes.fromhex(key), body[1:33], hashlib.sha256).digest())
+    op, info, _ = read_frame(s)
+    assert op == 0x82, op
+    return s, info
+
+
+def keys_body(keys: list[bytes]) -> bytes:
+    return struct.pack("<I", len(keys)) + b"".join(struct.pack("<H", len(k)) + k for k in keys)
+
+
+def statuses(body: bytes, with_lens: bool) -> list[int]:
+    n = struct.unpack("<I", body[:4])[0]
+    step = 9 if with_lens else 1
+    return [body[4 + i * step] for i in range(n)]
+
+
+def raw_ops(s: socket.socket, keys: list[bytes]) -> dict[str, list[int]]:
+    """PUT (a 3-byte value each), GET, EXISTS with a lease, DELETE of `keys`, raw: statuses."""
+    body = key_lens([(k, 3) for k in keys])
+    s.sendall(header(PUT, len(body), payload_len=3 * len(keys)) + body + b"v" * 3 * len(keys))
+    out = {"put": statuses(read_frame(s)[1], False)}
+    s.sendall(header(GET, len(body)) + body)
+    _, reply, payload = read_frame(s)
+    out["get"] = statuses(reply, True)
+    recv_exact(s, payload)
+    leased = struct.pack("<I", 60_000) + keys_body(keys)
+    s.sendall(header(EXISTS, len(leased)) + leased)
+    out["exists"] = statuses(read_frame(s)[1], True)
+    body = keys_body(keys)
+    s.sendall(header(DELETE, len(body)) + body)
+    out["delete"] = statuses(read_frame(s)[1], False)
+    return out
+
+
+def test_a_tenant_cannot_escape_its_prefix_with_key_tricks(memkv_server_factory, tmp_path):
+    """Raw frames from a tenant naming keys at the edges of its prefix and another's: only keys
+    that start with its own prefix byte for byte are its; everything else answers FORBIDDEN on
+    every operation and leaves the other tenant's values, leases and counts untouched."""
+    srv = tenant_server(memkv_server_factory, tmp_path)
+    a, info = tenant_conn(srv, KEY_A)
+    assert info == struct.pack("<H", 6) + b"team-a" + struct.pack("<H", 2) + b"a/" + b"\x00"
+    a_client = MemKVClient(MemKVConfig(servers=(srv.address,), auth_key=bytes.fromhex(KEY_A)))
+    assert a_client.put([b"a/v", b"a/"], [b"secret", b"prefix"]) == [Status.OK] * 2
+    b, _ = tenant_conn(srv, KEY_B)
+    assert raw_ops(b, [b"b/x"]) == {"put": [0], "get": [0], "exists": [0], "delete": [0]}
+    # Another's key and its prefix itself, the start of another's prefix (and of its own), the
+    # other's key behind a byte or in another case, a path that "climbs out" of its own prefix
+    # (a key of its own: keys are bytes, not paths), and a longest key under another's prefix.
+    tricks = [b"a/v", b"a/", b"a", b"b", b"\x00a/v", b"A/v", b"b/../a/v", b"a/" + b"x" * 1022]
+    own_path = tricks.index(b"b/../a/v")
+    for op, st in raw_ops(b, tricks).items():
+        want = [10] * len(tricks)
+        want[own_path] = 0
+        assert st == want, (op, st)
+    # a's values are as a left them, unleased.
+    out = [bytearray(6), bytearray(6)]
+    assert a_client.get_into([b"a/v", b"a/"], out) == [Status.OK] * 2
+    assert out == [b"secret", b"prefix"]
+    st = a_client.stats()[srv.address]
+    assert st["tenants"]["team-a"]["forbidden"] == 0
+    assert st["tenants"]["team-b"]["forbidden"] == 4 * (len(tricks) - 1)
+    assert st["leased_bytes"] == 0 and st["items"] == 2
+    # An empty key is no key at all: a protocol error that closes the connection.
+    body = key_lens([(b"", 3)])
+    b.sendall(header(PUT, len(body), payload_len=3) + body + b"vvv")
+    assert_closed_with_error(b, MALFORMED)
+    a.close()
+
+
+def test_a_tenant_cannot_authenticate_as_another_or_skip_auth(memkv_server_factory, tmp_path):
+    srv = tenant_server(memkv_server_factory, tmp_path)
+    # An answer seen on one connection is worthless on the next: the nonce differs.
+    s = connect(srv)
+    s.sendall(header(HELLO, 0))
+    _, hello1, _ = read_frame(s)
+    mac = hmac.new(bytes.fromhex(KEY_A), hello1[1:33], hashlib.sha256).digest()
+    t = connect(srv)
+    t.sendall(header(HELLO, 0))
+    _, hello2, _ = read_frame(t)
+    assert hello2[0] == 1, "a server with tenants always asks for a credential"
+    t.sendall(header(AUTH, 32) + mac)
+    assert_closed_with_error(t, AUTH_FAILED)
+    # No AUTH: no command.
+    body = keys_body([b"a/x"])
+    s.sendall(header(DELETE, len(body)) + body)
+    assert_closed_with_error(s, UNAUTHENTICATED)
+    c = MemKVClient(MemKVConfig(servers=(srv.address,), auth_key=bytes.fromhex(KEY_A)))
+    assert c.put([b"a/ok"], [b"v"]) == [Status.OK]

@@ -19,11 +19,14 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from memkv_vllm import _native
 from memkv_vllm.core.config import MemKVConfig, load_config
 from memkv_vllm.core.interface import Status
 
-__all__ = ["MAX_KEY_LEN", "CodesClient", "CodesOp", "MemKVClient", "Op", "Status", "buffer_address"]
+__all__ = ["MAX_KEY_LEN", "CodesClient", "CodesOp", "MemKVClient", "Op", "Status", "Tenant",
+           "buffer_address"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,17 @@ _STATUS_OF: dict[int, Status] = {s.value: s for s in Status}
 
 def _statuses(codes: bytes) -> list[Status]:
     return list(map(_STATUS_OF.__getitem__, codes))
+
+
+@attrs.frozen
+class Tenant:
+    """The tenant our credential names on a server started with ``--tenants``: every key we
+    name there must start with ``prefix`` (others answer FORBIDDEN); a ``read_only`` tenant's
+    writes answer FORBIDDEN too."""
+
+    name: str
+    prefix: bytes
+    read_only: bool
 
 
 class CodesOp:
@@ -295,6 +309,18 @@ class MemKVClient:
                 "reason": reason,
                 "failure_age_s": age,
             }
+        return out
+
+    def tenants(self) -> dict[str, Tenant | None]:
+        """The tenant our credential names on each server, from a connection's handshake (made
+        now if none is open): None from a server without tenants. A server that does not answer
+        is left out (logged): what it would say is not known."""
+        out: dict[str, Tenant | None] = {}
+        for addr, t, err in self._c.tenants():
+            if err is not None:
+                log.warning("memkv: cannot ask %s for our tenant: %s", addr, err)
+                continue
+            out[addr] = None if t is None else Tenant(*t)
         return out
 
     def ping(self) -> dict[str, float | None]:

@@ -76,6 +76,8 @@ NON_CLIENT_ENV: frozenset[str] = frozenset(
         "MEMKV_LIBFABRIC",
         # The same-host path's socket (`memkv serve --shm-socket`; read by the native client).
         "MEMKV_SHM_SOCKET",
+        # `memkv serve --tenants FILE`; a client's tenant comes from its `auth_key`.
+        "MEMKV_TENANTS",
     }
 )
 

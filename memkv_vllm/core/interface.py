@@ -43,7 +43,7 @@ import attrs
 class Status(enum.IntEnum):
     """Per-key outcome of a `BlockClient` call; `memkv_vllm.core.client` returns these.
 
-    0-9 are memkv's wire status codes; 16 and up are decided by the client itself and never sent
+    0-11 are memkv's wire status codes; 16 and up are decided by the client itself and never sent
     (the native client defines the same numbers; a test checks they agree). An `Offloader` treats
     OK and OK_NO_LEASE as success and every other code as "this key did not transfer"; TIMEOUT
     additionally means the request may still be in flight (see `BlockClient`).
@@ -63,6 +63,8 @@ class Status(enum.IntEnum):
     INVALID_KEY = 7
     OK_NO_LEASE = 8
     REMOTE_ACCESS = 9  # RDMA: the server's read/write of this key's buffer failed; GET: partial
+    FORBIDDEN = 10  # outside the tenant's key prefix, or a write of a read-only tenant
+    OVER_QUOTA = 11  # PUT: the tenant's quota is full and none of its own values could go
     TIMEOUT = 16  # the operation's deadline (op_timeout_s) passed before this key's answer
     REFUSED = 17  # the server refused the connection (nothing listens there)
     AUTH_FAILED = 18  # the server needs an auth key and ours is missing or wrong

@@ -74,6 +74,11 @@ class KeyLayout:
         prefix = self.prefix.strip("/")
         return f"{prefix}/{base}" if prefix else base
 
+    @property
+    def key_start(self) -> bytes:
+        """What every key of this namespace starts with (what a tenant's prefix must start)."""
+        return f"{self.namespace}/".encode()
+
     def key(self, block_hash: bytes, group_idx: int) -> bytes:
         """The remote key of one offloaded chunk (hash of its last token block + group index)."""
         h = block_hash.hex()

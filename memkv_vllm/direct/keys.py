@@ -9,7 +9,10 @@ one's KV), dtype, TP size, block size, KV layout, hash algorithm and seed, and t
 `memkv_spec_prefix`. The TP rank is outside the digest because each rank holds its own slice of
 every block: the ranks share the namespace and differ only in the rank field.
 
-Key = b"mkD1" | digest (16 bytes) | rank (u16, big-endian) | group (u32, big-endian) | block hash.
+Key = spec prefix | b"mkD1" | digest (16 bytes) | rank (u16, big-endian) | group (u32, big-endian)
+| block hash. The spec prefix (`memkv_spec_prefix` as UTF-8, usually empty) leads the key as it
+is, so that a tenant of a server with tenants (whose keys must start with its prefix) names its
+namespace there; it is in the digest too.
 No vLLM imports: the spec reads the fields from vLLM and passes them here.
 """
 
@@ -56,7 +59,7 @@ class DirectKeyLayout:
     @property
     def prefix(self) -> bytes:
         """The bytes every key of this namespace starts with (what ranks compare at startup)."""
-        return _MAGIC + self.digest
+        return self.spec_prefix.encode() + _MAGIC + self.digest
 
     def key(self, block_hash: bytes, group: int, rank: int) -> bytes:
         if not 0 <= rank < self.tp_size:

@@ -264,6 +264,7 @@ class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[name-defined]  # base ma
             value_bytes=kv.value_bytes, ref_bytes=[[n for _, n in g] for g in groups],
             hash_algo=_API.hash_algo(), spec_prefix=o.spec_prefix)
         io = open_rank_io(kv.device, o.scratch_medium, o.client_overrides,
+                          key_prefix=(layout.prefix, "memkv_spec_prefix"),
                           n_read_threads=o.load_threads, n_write_threads=o.store_threads)
         store, client, cfg = io.store, io.client, io.cfg
         try:

@@ -107,10 +107,14 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[name
         self._rows = len(primary_kv_view)
         self._base = int(self._arr.ctypes.data)
         self._prefix = str(prefix)
+        model, fields = self._namespace_fields(offloading_spec)
+        # Named now: block hashes already depend on vLLM's hash seed (NONE_HASH, initialized
+        # only after the tiers are built), so the namespace need not wait for it.
+        self._layout = KeyLayout(self._prefix, model, fields)
 
         self._client, cfg = client_or_none(client_kw, logger, "tier")
         self._store: Offloader = store_for(
-            self._client, cfg,
+            self._client, cfg, key_prefix=(self._layout.key_start, "prefix"),
             n_read_threads=int(n_read_threads),
             n_write_threads=int(n_write_threads),
             blocks_per_op=int(blocks_per_op),
@@ -119,10 +123,6 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[name
         )
         # The whole pool is the only memory this tier's jobs address: registered once.
         self._store.register_buffer(self._base, self._rows * self._row, owner=self._arr)
-        model, fields = self._namespace_fields(offloading_spec)
-        # Named now: block hashes already depend on vLLM's hash seed (NONE_HASH, initialized
-        # only after the tiers are built), so the namespace need not wait for it.
-        self._layout = KeyLayout(self._prefix, model, fields)
         logger.info("memkv tier: key namespace %s (%s)", self._layout.namespace,
                     self._layout.describe())
         # job id -> {remote key: offload key}, to report successful keys in vLLM's terms

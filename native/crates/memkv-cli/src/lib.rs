@@ -66,7 +66,12 @@ struct ServeArgs {
     /// YAML file of tenants, each with its own credential (auth key, or client-certificate
     /// subject under mutual TLS), key prefix, memory quota and optional read_only flag
     /// (docs/security.md); instead of --auth-key.
-    #[arg(long, env = "MEMKV_TENANTS", hide_env_values = true, conflicts_with = "auth_key")]
+    #[arg(
+        long,
+        env = "MEMKV_TENANTS",
+        hide_env_values = true,
+        conflicts_with = "auth_key"
+    )]
     tenants: Option<std::path::PathBuf>,
     /// Serve Prometheus metrics over HTTP at HOST:PORT/metrics. No credentials are asked there:
     /// bind it to loopback or a private network.

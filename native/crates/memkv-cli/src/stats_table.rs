@@ -295,10 +295,19 @@ mod tests {
         let b = json!({"tenants": {"team-a": t(1, 1 << 20)}});
         let out = render(&[("s:1".to_string(), Ok(a)), ("s:2".to_string(), Ok(b))]);
         let lines: Vec<&str> = out.lines().collect();
-        let at = lines.iter().position(|l| l.starts_with("TENANT")).expect(&out);
+        let at = lines
+            .iter()
+            .position(|l| l.starts_with("TENANT"))
+            .expect(&out);
         let a_row = lines[at + 1];
-        assert!(a_row.starts_with("team-a") && a_row.contains("2.0 MiB / 8.0 MiB"), "{a_row}");
-        assert!(a_row.contains("25.0%") && a_row.contains("50.0% of 4"), "{a_row}");
+        assert!(
+            a_row.starts_with("team-a") && a_row.contains("2.0 MiB / 8.0 MiB"),
+            "{a_row}"
+        );
+        assert!(
+            a_row.contains("25.0%") && a_row.contains("50.0% of 4"),
+            "{a_row}"
+        );
         assert!(a_row.contains("4 forbidden, 2 over quota"), "{a_row}");
         assert!(lines[at + 2].starts_with("team-b"));
         let plain = render(&[("s:1".to_string(), Ok(json!({})))]);

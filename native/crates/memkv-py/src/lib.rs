@@ -273,11 +273,20 @@ impl PyClient {
 
     /// [(address, (tenant name, key prefix, read-only) or None, error or None)] per server: the
     /// tenant our credential names there (None from a server without tenants).
-    #[allow(clippy::type_complexity, reason = "the row is the Python tuple the stub spells out")]
+    #[allow(
+        clippy::type_complexity,
+        reason = "the row is the Python tuple the stub spells out"
+    )]
     fn tenants<'py>(
         &self,
         py: Python<'py>,
-    ) -> PyResult<Vec<(String, Option<(String, Bound<'py, PyBytes>, bool)>, Option<String>)>> {
+    ) -> PyResult<
+        Vec<(
+            String,
+            Option<(String, Bound<'py, PyBytes>, bool)>,
+            Option<String>,
+        )>,
+    > {
         let c = &self.inner;
         let rows = py.detach(|| no_panic(|| c.tenants()))?;
         Ok(rows

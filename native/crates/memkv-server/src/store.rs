@@ -284,7 +284,11 @@ mod tests {
     fn put_as(s: &Store, t: TenantId, key: &str, len: u64) -> Status {
         match s.reserve_as(t, key.as_bytes(), len) {
             Ok(r) => {
-                s.commit(key.as_bytes(), r, memkv_proto::chunk_checksums(&vec![0; len as usize]));
+                s.commit(
+                    key.as_bytes(),
+                    r,
+                    memkv_proto::chunk_checksums(&vec![0; len as usize]),
+                );
                 Status::Ok
             }
             Err(st) => st,
@@ -292,7 +296,10 @@ mod tests {
     }
 
     fn used(s: &Store, t: TenantId) -> u64 {
-        s.usage.slot(t).used.load(std::sync::atomic::Ordering::Relaxed)
+        s.usage
+            .slot(t)
+            .used
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// One value of 64 KiB under a key like "a/1", as the lanes charge it.
@@ -312,15 +319,23 @@ mod tests {
                 assert!(used(&s, 0) <= 4 * CHARGE, "{} over the quota", used(&s, 0));
             }
             let has = |k: &str| s.exists(&[k.as_bytes()], Duration::ZERO)[0].0 == Status::Ok;
-            assert!((0..4).all(|i| has(&format!("b/{i}"))), "b's values untouched");
+            assert!(
+                (0..4).all(|i| has(&format!("b/{i}"))),
+                "b's values untouched"
+            );
             assert!(has("a/9"), "the value just stored stays");
             if lanes == 1 {
-                assert!((6..10).all(|i| has(&format!("a/{i}"))), "a keeps its newest");
+                assert!(
+                    (6..10).all(|i| has(&format!("a/{i}"))),
+                    "a keeps its newest"
+                );
             }
             let (a, b) = (s.usage.slot(0), s.usage.slot(1));
-            let n =
-                |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
-            assert_eq!((n(&a.evictions), n(&a.quota_evictions), n(&a.items)), (6, 6, 4));
+            let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(
+                (n(&a.evictions), n(&a.quota_evictions), n(&a.items)),
+                (6, 6, 4)
+            );
             assert_eq!((n(&b.evictions), n(&b.items)), (0, 4));
             assert_eq!(used(&s, 1), 4 * CHARGE);
         }
@@ -359,7 +374,13 @@ mod tests {
         assert_eq!(used(&s, 0), one);
         assert_eq!(s.delete(b"a/x"), Status::Ok);
         assert_eq!(used(&s, 0), 0);
-        assert_eq!(s.usage.slot(0).items.load(std::sync::atomic::Ordering::Relaxed), 0);
+        assert_eq!(
+            s.usage
+                .slot(0)
+                .items
+                .load(std::sync::atomic::Ordering::Relaxed),
+            0
+        );
     }
 
     #[test]
@@ -370,8 +391,14 @@ mod tests {
         assert_eq!(v["tenants"]["b"]["items"], 1);
         assert_eq!(v["tenants"]["a"]["quota_bytes"], 1 << 20);
         let prom = s.prometheus();
-        assert!(prom.contains("memkv_tenant_items{tenant=\"b\"} 1"), "{prom}");
-        assert!(prom.contains("# TYPE memkv_tenant_puts_total counter"), "{prom}");
+        assert!(
+            prom.contains("memkv_tenant_items{tenant=\"b\"} 1"),
+            "{prom}"
+        );
+        assert!(
+            prom.contains("# TYPE memkv_tenant_puts_total counter"),
+            "{prom}"
+        );
         let plain = Store::new(1 << 20, 1, 0.5).unwrap();
         assert!(!plain.stats_json().contains("tenants"));
         assert!(!plain.prometheus().contains("tenant"));

@@ -74,7 +74,11 @@ impl<'a, T: Transport> Conn<'a, T> {
             };
             let len = if s == Status::Ok { want } else { 0 };
             (if s == Status::Ok { &m.hits } else { &m.misses }).fetch_add(1, Ordering::Relaxed);
-            *(if s == Status::Ok { &mut hits } else { &mut misses }) += 1;
+            *(if s == Status::Ok {
+                &mut hits
+            } else {
+                &mut misses
+            }) += 1;
             st.push((s, len));
         }
         let usage = &store.usage;

@@ -34,9 +34,10 @@ impl Drop for Reservation<'_> {
             let mut inner = self.lane.inner.lock().unwrap();
             inner.index_bytes -= self.charge;
             inner.receiving -= span.len();
-            inner
-                .usage
-                .release(self.tenant, crate::arena::footprint(span.len()) + self.charge);
+            inner.usage.release(
+                self.tenant,
+                crate::arena::footprint(span.len()) + self.charge,
+            );
             drop(inner);
             drop(span);
         }

@@ -107,7 +107,8 @@ impl Queues {
         index: &HashMap<Key, Entry>,
         pick: impl Fn(&Entry) -> bool,
     ) -> Option<Key> {
-        let queued = (self.small.iter().map(|i| (true, i))).chain(self.main.iter().map(|i| (false, i)));
+        let queued =
+            (self.small.iter().map(|i| (true, i))).chain(self.main.iter().map(|i| (false, i)));
         let mut read_since = None;
         let mut found = None;
         for (from_small, (key, gen)) in queued {

@@ -68,15 +68,11 @@ pub fn parse(text: &str, memory: u64) -> Result<(Tenants, Vec<String>), String> 
         .tenants
         .into_iter()
         .enumerate()
-        .map(|(i, e)| {
-            tenant(e).map_err(|(name, why)| format!("tenant #{} ({name}): {why}", i + 1))
-        })
+        .map(|(i, e)| tenant(e).map_err(|(name, why)| format!("tenant #{} ({name}): {why}", i + 1)))
         .collect::<Result<Vec<_>, _>>()?;
     let tenants = Tenants::named(list)?;
     let mut notes = Vec::new();
-    let sum = tenants
-        .iter()
-        .fold(0u64, |a, t| a.saturating_add(t.quota));
+    let sum = tenants.iter().fold(0u64, |a, t| a.saturating_add(t.quota));
     if sum > memory {
         notes.push(format!(
             "the tenants' quotas add up to {sum} bytes, more than --memory ({memory}): a tenant \
@@ -224,9 +220,17 @@ mod tests {
 
     #[test]
     fn tenants_that_could_reach_each_other_are_refused_with_both_names() {
-        for (p, q) in [("a/", "a/"), ("a/", "a/b/"), ("", "b/"), ("team", "team-b/")] {
+        for (p, q) in [
+            ("a/", "a/"),
+            ("a/", "a/b/"),
+            ("", "b/"),
+            ("team", "team-b/"),
+        ] {
             let e = refused(&doc(&[("one", p, "1M"), ("two", q, "1M")]));
-            assert!(e.contains("one") && e.contains("two") && e.contains("overlap"), "{e}");
+            assert!(
+                e.contains("one") && e.contains("two") && e.contains("overlap"),
+                "{e}"
+            );
         }
         let e = refused(&doc(&[("one", "a/", "1M"), ("one", "b/", "1M")]));
         assert!(e.contains("second tenant of this name"), "{e}");
@@ -236,20 +240,44 @@ mod tests {
             k = key(5)
         );
         let e = refused(&same_key);
-        assert!(e.contains("tenant #2 (b)") && e.contains("another tenant's"), "{e}");
+        assert!(
+            e.contains("tenant #2 (b)") && e.contains("another tenant's"),
+            "{e}"
+        );
     }
 
     #[test]
     fn bad_fields_are_refused_naming_the_tenant_and_the_field() {
         let k = key(1);
         for (entry, says) in [
-            (format!("{{name: a, prefix: a/, quota: 1M}}"), "no credential"),
-            (format!("{{name: a, auth_key: abc, prefix: a/, quota: 1M}}"), "auth_key"),
-            (format!("{{name: a, auth_key: \"{k}\", prefix: a/, quota: 1X}}"), "quota"),
-            (format!("{{name: a, auth_key: \"{k}\", prefix: a/, quota: 0}}"), "quota is 0"),
-            (format!("{{name: 'a b', auth_key: \"{k}\", prefix: a/, quota: 1M}}"), "name"),
-            (format!("{{name: a, auth_key: \"{k}\", prefix: a/, quota: 1M, quotas: 2}}"), "quotas"),
-            (format!("{{name: a, auth_key: \"{k}\", quota: 1M}}"), "prefix"),
+            (
+                format!("{{name: a, prefix: a/, quota: 1M}}"),
+                "no credential",
+            ),
+            (
+                format!("{{name: a, auth_key: abc, prefix: a/, quota: 1M}}"),
+                "auth_key",
+            ),
+            (
+                format!("{{name: a, auth_key: \"{k}\", prefix: a/, quota: 1X}}"),
+                "quota",
+            ),
+            (
+                format!("{{name: a, auth_key: \"{k}\", prefix: a/, quota: 0}}"),
+                "quota is 0",
+            ),
+            (
+                format!("{{name: 'a b', auth_key: \"{k}\", prefix: a/, quota: 1M}}"),
+                "name",
+            ),
+            (
+                format!("{{name: a, auth_key: \"{k}\", prefix: a/, quota: 1M, quotas: 2}}"),
+                "quotas",
+            ),
+            (
+                format!("{{name: a, auth_key: \"{k}\", quota: 1M}}"),
+                "prefix",
+            ),
         ] {
             let e = refused(&format!("tenants:\n  - {entry}\n"));
             assert!(e.contains(says), "{entry}: {e}");

@@ -171,9 +171,18 @@ mod tests {
     fn a_credential_names_its_tenant_and_nothing_else() {
         let t = Tenants::named(vec![tenant("a", 1, "a/"), tenant("b", 2, "b/")]).unwrap();
         let nonce = [9u8; 32];
-        assert_eq!(t.by_answer(&nonce, &memkv_proto::auth_mac(&[2; 32], &nonce)), Some(1));
-        assert_eq!(t.by_answer(&nonce, &memkv_proto::auth_mac(&[1; 32], &nonce)), Some(0));
-        assert_eq!(t.by_answer(&nonce, &memkv_proto::auth_mac(&[3; 32], &nonce)), None);
+        assert_eq!(
+            t.by_answer(&nonce, &memkv_proto::auth_mac(&[2; 32], &nonce)),
+            Some(1)
+        );
+        assert_eq!(
+            t.by_answer(&nonce, &memkv_proto::auth_mac(&[1; 32], &nonce)),
+            Some(0)
+        );
+        assert_eq!(
+            t.by_answer(&nonce, &memkv_proto::auth_mac(&[3; 32], &nonce)),
+            None
+        );
         assert_eq!(t.by_answer(&nonce, &[0; 5]), None);
         assert_eq!(t.by_subject("CN=b"), Some(1));
         assert_eq!(t.by_subject("CN=b,O=x"), None);
@@ -202,13 +211,19 @@ mod tests {
         let keyed = Tenants::implicit(Some(vec![7; 32]));
         assert!(keyed.auth_required());
         let nonce = [1u8; 32];
-        assert_eq!(keyed.by_answer(&nonce, &memkv_proto::auth_mac(&[7; 32], &nonce)), Some(0));
+        assert_eq!(
+            keyed.by_answer(&nonce, &memkv_proto::auth_mac(&[7; 32], &nonce)),
+            Some(0)
+        );
     }
 
     #[test]
     fn debug_output_never_shows_a_key() {
         let text = format!("{:?}", tenant("a", 0xab, "a/"));
-        assert!(!text.contains("171") && !text.to_lowercase().contains("abab"), "{text}");
+        assert!(
+            !text.contains("171") && !text.to_lowercase().contains("abab"),
+            "{text}"
+        );
         assert!(text.contains("<secret>"));
     }
 }
