@@ -80,7 +80,7 @@ def test_a_tenant_cannot_read_overwrite_delete_or_probe_another_tenants_keys(
         memkv_server_factory, tmp_path, transport):
     srv = tenant_server(memkv_server_factory, tmp_path, lanes=2)
     region = Region(4 * MIB, f"memkv-tenants-{transport}")
-    buf = region.array
+    buf = out = region.array
     a, b = client(srv, KEY_A, transport), client(srv, KEY_B, transport)
     for c in (a, b):
         c.register_buffer(region.ptr, buf.nbytes)
@@ -116,6 +116,7 @@ def test_a_tenant_cannot_read_overwrite_delete_or_probe_another_tenants_keys(
     finally:
         for c in (a, b):
             c.unregister_buffer(region.ptr)
+        del buf, out  # views of the mapping, which cannot close while they exist
         region.close()
 
 
@@ -210,7 +211,7 @@ def run_serve(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[st
     (tenants_yaml().replace("quota: 1M", "quota: lots"), "tenant #3 (reader): quota"),
     (tenants_yaml().replace("read_only", "readonly"), "unknown field `readonly`"),
     ("tenants:\n  - name: x\n    prefix: x/\n    quota: 1M\n", "no credential"),
-    ("tenants: [", "line 1"),
+    ("tenants: [", "did not find expected node content at line 2"),
 ])
 def test_a_bad_tenants_file_stops_the_server_with_a_clear_error(tmp_path, text, says):
     path = write_tenants(tmp_path, text)

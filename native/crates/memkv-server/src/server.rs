@@ -225,7 +225,11 @@ impl Server {
             lanes = store.lane_count(),
             max_value_bytes = store.max_value_len,
             auth,
-            tenants = store.tenants.is_named().then(|| store.tenants.len()).unwrap_or(0),
+            tenants = if store.tenants.is_named() {
+                store.tenants.len()
+            } else {
+                0
+            },
             buffer_budget_bytes = budget,
             metrics = %metrics_addr.map_or("off".to_string(), |a| a.to_string()),
             shm_socket = shm_socket.as_deref().unwrap_or("off"),

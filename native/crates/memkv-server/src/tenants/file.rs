@@ -251,11 +251,11 @@ mod tests {
         let k = key(1);
         for (entry, says) in [
             (
-                format!("{{name: a, prefix: a/, quota: 1M}}"),
+                "{name: a, prefix: a/, quota: 1M}".to_string(),
                 "no credential",
             ),
             (
-                format!("{{name: a, auth_key: abc, prefix: a/, quota: 1M}}"),
+                "{name: a, auth_key: abc, prefix: a/, quota: 1M}".to_string(),
                 "auth_key",
             ),
             (
