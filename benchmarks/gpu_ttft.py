@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="vLLM's CPU pool (must hold the longest prefix)")
     ap.add_argument("--server-memory", default="24G", help="memkv serve --memory")
     ap.add_argument("--server-lanes", type=int, default=8)
+    ap.add_argument("--connections", type=int, default=0,
+                    help="connections_per_server of every memkv client (0: memkv_vllm's default)")
     ap.add_argument("--same-host-transport", default="shm",
                     help="memkv_vllm transport name of a same-host path (direct-samehost)")
     ap.add_argument("--device", choices=sorted(ENGINE_ARGS), default="cuda")
@@ -146,9 +148,11 @@ def tier_config(args: argparse.Namespace, server: str, prefix: str, fs_root: str
                 memkv: bool, fs: bool, transport: str = "") -> dict:
     kv = kv_transfer_config(server, prefix, int(args.cpu_gib * (1 << 30)))
     extra = kv["kv_connector_extra_config"]
-    if transport:
-        for tier in extra["secondary_tiers"]:
+    for tier in extra["secondary_tiers"]:
+        if transport:
             tier["transport"] = transport
+        if args.connections:
+            tier["connections_per_server"] = args.connections
     extra["block_size"] = args.chunk_tokens
     extra["secondary_tiers"] = ((extra["secondary_tiers"] if memkv else [])
                                 + ([{"type": "fs", "root_dir": fs_root}] if fs else []))
@@ -162,6 +166,8 @@ def direct_config(args: argparse.Namespace, server: str, prefix: str,
                    "block_size": args.chunk_tokens}
     if transport:
         extra["transport"] = transport
+    if args.connections:
+        extra["connections_per_server"] = args.connections
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": extra}
 
