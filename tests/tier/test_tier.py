@@ -8,10 +8,13 @@ import time
 import uuid
 
 import numpy as np
+import pytest
 from harness import ROW, okey, pattern
+from test_tenants import KEY_A, KEY_B, tenant_server
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 import memkv_vllm
+from memkv_vllm.core.config import ConfigError
 from memkv_vllm.vllm.compat import api
 from memkv_vllm.vllm.metrics import METRICS
 from memkv_vllm.vllm.tier import MemKVSecondaryTierManager
@@ -254,3 +257,28 @@ def test_blocks_evicted_by_memory_pressure_read_as_misses(memkv_server_factory, 
     b.manager.on_new_request(ctx)
     b.run_until(lambda: [b.lookup(k, ctx) for k in keys] == [LR.MISS] * 4, timeout=5)
     assert b.tier.store_stats().get("load_jobs", 0) == 0  # nothing to promote: recompute
+
+
+def test_tenants_share_blocks_within_and_never_across_and_a_foreign_prefix_stops_startup(
+        memkv_server_factory, engines, tmp_path) -> None:
+    """Against a server with tenants only the credentials change: engines of one tenant share
+    blocks, an engine of another tenant with the same model and blocks gets no hit, and a tier
+    `prefix` outside the tenant's namespace stops the engine at startup naming both."""
+    srv = tenant_server(memkv_server_factory, tmp_path)
+    with pytest.raises(ConfigError) as e:
+        engines({"servers": [srv.address], "auth_key": KEY_A, "prefix": "memkv"})
+    assert "b'memkv/" in str(e.value) and "b'a/'" in str(e.value), e.value
+    a = engines({"servers": [srv.address], "auth_key": KEY_A, "prefix": "a"})
+    keys = [okey(i) for i in range(4)]
+    a.store(keys, _fill(a))
+    a.drain()
+    assert a.tier.store_stats()["store_blocks_ok"] == 4
+    a2 = engines({"servers": [srv.address], "auth_key": KEY_A, "prefix": "a"})
+    ctx = a2.ctx()
+    a2.manager.on_new_request(ctx)
+    _load_into_primary(a2, keys, ctx)
+    assert all(np.array_equal(r, pattern(i)) for i, r in enumerate(_rows_of(a2, keys, ctx)))
+    b = engines({"servers": [srv.address], "auth_key": KEY_B, "prefix": "b"})
+    ctx = b.ctx()
+    b.manager.on_new_request(ctx)
+    b.run_until(lambda: [b.lookup(k, ctx) for k in keys] == [LR.MISS] * 4, timeout=5)
