@@ -10,11 +10,13 @@ manager), so by the time the manager is made every worker has published.
 **The board.** An entry per (engine, rank): the prefix, the publisher's host name, boot id,
 process id and start, the wall-clock time it was published and its lease. Each worker writes it
 
-* into the cluster, under the reserved key ``b"\\xffmkB1" + sha256(engine id)[:16] + rank``: the
-  channel that reaches the scheduler from any node (multi-node tensor parallelism), through either
-  backend (memkv or Redis: only the `BlockClient` calls are used). No other key can collide with
-  it: tier keys are UTF-8 path names, and 0xFF never occurs in UTF-8; direct-mode KV keys begin
-  with ``mkD1``;
+* into the cluster, under the reserved key ``spec prefix + b"\\xffmkB1" + sha256(engine id)[:16]
+  + rank``: the channel that reaches the scheduler from any node (multi-node tensor parallelism),
+  through either backend (memkv or Redis: only the `BlockClient` calls are used). The spec prefix
+  (``memkv_spec_prefix``, usually empty) leads it as it leads the KV keys, so that on a server with
+  tenants the entry lies in the tenant's namespace. No other key can collide with it: tier keys
+  are UTF-8 path names, and 0xFF never occurs in UTF-8; direct-mode KV keys continue with
+  ``mkD1`` after the spec prefix;
 * and into a file of a per-user directory under the local temp dir. The file is the single-host
   fast path and earns its place because it does not depend on the cluster: a one-host engine
   starts, checks its ranks and adopts their prefix without a network round trip, also while the
@@ -249,11 +251,11 @@ class PrefixBoard:
 
     def __init__(self, engine_id: str, client: Any = None, root: Path | None = None, *,
                  wait_s: float = DEFAULT_WAIT_S, lease_s: float = DEFAULT_LEASE_S,
-                 since: float | None = None) -> None:
+                 since: float | None = None, spec_prefix: str = "") -> None:
         self.root = root or default_root()
         digest = hashlib.sha256(engine_id.encode()).digest()
         self._stem = digest.hex()[:32]
-        self._key_base = BOARD_MAGIC + digest[:16]
+        self._key_base = spec_prefix.encode() + BOARD_MAGIC + digest[:16]
         self._codes = None if client is None else client.codes
         self.wait_s = wait_s
         self.lease_s = lease_s

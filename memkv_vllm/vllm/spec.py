@@ -225,7 +225,8 @@ class MemKVOffloadingSpec(_BASES.spec):  # type: ignore[name-defined]  # base ma
         return metric_definitions()
 
     def _board(self, client: Any) -> PrefixBoard:
-        return PrefixBoard(self.facts.engine_id, client, wait_s=self.options.prefix_wait_s)
+        return PrefixBoard(self.facts.engine_id, client, wait_s=self.options.prefix_wait_s,
+                           spec_prefix=self.options.spec_prefix)
 
     def get_manager(self) -> MemKVOffloadingManager:
         if self._manager is None:

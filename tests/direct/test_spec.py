@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
+from test_tenants import KEY_A, tenant_server, tenant_stats  # noqa: E402
 from vllm_specs import canonical_kv, make_spec  # noqa: E402
 
 from memkv_vllm.core.config import ConfigError  # noqa: E402
@@ -165,6 +166,35 @@ def test_ranks_that_disagree_stop_startup(memkv_server):
         make_spec(extra(memkv_server.address), engine_id=eid, tp_size=2).get_manager()
     w0.shutdown()
     w1.shutdown()
+
+
+def test_a_tenants_engine_works_inside_its_prefix_and_stops_outside_it(memkv_server_factory,
+                                                                      tmp_path):
+    """Against a server with tenants only the credentials change: a `memkv_spec_prefix` outside
+    the tenant's namespace stops the worker at startup naming both; inside it the worker, the
+    prefix board's cluster entries and the scheduler's manager all stay within the tenant's keys
+    (the server answered nothing FORBIDDEN) and its blocks round-trip."""
+    srv = tenant_server(memkv_server_factory, tmp_path)
+    kv, _ = canonical_kv(seed=7)
+    outside = extra(srv.address, auth_key=KEY_A, memkv_spec_prefix="b/")
+    with pytest.raises(ConfigError) as e:
+        make_spec(outside, engine_id=engine()).get_worker(kv)
+    assert "'memkv_spec_prefix'" in str(e.value) and "b/mkD1" in str(e.value)
+    assert "b'a/'" in str(e.value)
+    eid, ex = engine(), extra(srv.address, auth_key=KEY_A, memkv_spec_prefix="a/")
+    worker = make_spec(ex, engine_id=eid).get_worker(kv)
+    manager = make_spec(ex, engine_id=eid).get_manager()
+    ks = keys(2)
+    assert ask(manager, ks[0]) is kvb.LookupResult.MISS
+    out = manager.prepare_store(ks, kvb.ReqContext(req_id="r1"))
+    gpu = kvb.GPULoadStoreSpec([4, 5, 6, 7], group_sizes=[4], block_indices=[0])
+    assert worker.submit_store(1, gpu, out.store_spec) is True
+    assert finished(worker, 1).success
+    manager.complete_store(ks, kvb.ReqContext(req_id="r1"))
+    st = tenant_stats(srv, KEY_A)["team-a"]
+    assert st["puts"] >= 2 and st["forbidden"] == 0, st
+    worker.shutdown()
+    manager.shutdown()
 
 
 def test_pipeline_parallelism_and_bad_keys_fail_at_startup(memkv_server):
