@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from memkv_procs import memkv_command
 from test_server import AUTH, HELLO, connect, header, read_frame
-from test_shm import Region
+from test_shm import Region, server_maps
 
 from memkv_vllm.core.backends import store_for
 from memkv_vllm.core.client import MemKVClient, Status, Tenant
@@ -79,7 +79,8 @@ def tenant_stats(srv, key: str) -> dict:
 def test_a_tenant_cannot_read_overwrite_delete_or_probe_another_tenants_keys(
         memkv_server_factory, tmp_path, transport):
     srv = tenant_server(memkv_server_factory, tmp_path, lanes=2)
-    region = Region(4 * MIB, f"memkv-tenants-{transport}")
+    name = f"memkv-tenants-{transport}"
+    region = Region(4 * MIB, name)
     buf = out = region.array
     a, b = client(srv, KEY_A, transport), client(srv, KEY_B, transport)
     for c in (a, b):
@@ -113,6 +114,8 @@ def test_a_tenant_cannot_read_overwrite_delete_or_probe_another_tenants_keys(
         assert st["team-b"]["forbidden"] == 7 and st["team-a"]["forbidden"] == 1
         assert st["team-a"]["items"] == 1 and st["team-b"]["items"] == 1
         assert a.tenants() == {srv.address: Tenant("team-a", b"a/", False)}
+        # Over `transport: shm` the refusals came from the server's copy path itself.
+        assert server_maps(srv, name) == (transport == "shm")
     finally:
         for c in (a, b):
             c.unregister_buffer(region.ptr)

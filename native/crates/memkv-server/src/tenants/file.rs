@@ -71,7 +71,16 @@ pub fn parse(text: &str, memory: u64) -> Result<(Tenants, Vec<String>), String> 
         .map(|(i, e)| tenant(e).map_err(|(name, why)| format!("tenant #{} ({name}): {why}", i + 1)))
         .collect::<Result<Vec<_>, _>>()?;
     let tenants = Tenants::named(list)?;
-    let mut notes = Vec::new();
+    let mut notes: Vec<String> = (tenants.iter())
+        .filter(|t| t.auth_key.is_none())
+        .map(|t| {
+            format!(
+                "tenant {} has no auth_key: only a verified client certificate (mutual TLS) \
+                 names it",
+                t.name
+            )
+        })
+        .collect();
     let sum = tenants.iter().fold(0u64, |a, t| a.saturating_add(t.quota));
     if sum > memory {
         notes.push(format!(
@@ -193,7 +202,11 @@ mod tests {
             + "  - name: reader\n    client_cert_subject: CN=reader\n    prefix: r/\n    \
                quota: 1K\n    read_only: true\n";
         let (t, notes) = parse(&text, 1 << 30).unwrap();
-        assert!(notes.is_empty(), "{notes:?}");
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(
+            notes[0].contains("tenant reader has no auth_key"),
+            "{notes:?}"
+        );
         assert_eq!(t.len(), 3);
         assert_eq!(t.get(1).quota, 2 << 20);
         assert_eq!(t.get(1).prefix, b"b/");
