@@ -78,7 +78,8 @@ impl Store {
             return Err(Status::TooLarge);
         }
         // Larger than the whole quota: refused before any of the tenant's values goes for it.
-        let need = crate::arena::footprint(len) + crate::lane::index_charge(key.len(), len);
+        let need = crate::arena::footprint(len)
+            + crate::lane::tenant_charge(&self.usage, tenant, key.len(), len);
         if need > self.usage.slot(tenant).quota {
             return Err(Status::OverQuota);
         }
@@ -302,8 +303,9 @@ mod tests {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// One value of 64 KiB under a key like "a/1", as the lanes charge it.
-    const CHARGE: u64 = (64 << 10) + crate::lane::ENTRY_OVERHEAD + 3 + 8;
+    /// One value of 64 KiB under a key like "a/1", as the lanes charge it to a tenant.
+    const CHARGE: u64 =
+        (64 << 10) + crate::lane::ENTRY_OVERHEAD + crate::lane::OWN_QUEUE_CHARGE + 3 + 8;
 
     /// Over several lanes the victim is the oldest of the tenant's values in the first lane
     /// that has one (its key's own, first): lanes never lock each other.
@@ -339,6 +341,43 @@ mod tests {
             assert_eq!((n(&b.evictions), n(&b.items)), (0, 4));
             assert_eq!(used(&s, 1), 4 * CHARGE);
         }
+    }
+
+    #[test]
+    fn a_tenant_keeps_the_values_it_read_and_evicts_its_own_behind_many_of_anothers() {
+        // Room for three of a's values under keys of up to six bytes ("a/2999").
+        let s = two_tenants(3 * CHARGE + 9, 1);
+        for i in 0..8000 {
+            assert_eq!(put_as(&s, 1, &format!("b/{i}"), 64), Status::Ok);
+        }
+        for i in 0..3 {
+            assert_eq!(put_as(&s, 0, &format!("a/{i}"), 64 << 10), Status::Ok);
+        }
+        drop(s.fetch_verified(b"a/0").ok().unwrap());
+        assert_eq!(put_as(&s, 0, "a/3", 64 << 10), Status::Ok);
+        let has = |k: &str| s.exists(&[k.as_bytes()], Duration::ZERO)[0].0 == Status::Ok;
+        assert!(
+            has("a/0") && !has("a/1"),
+            "the value read again stays, the oldest unread goes"
+        );
+        // Thousands of evictions of a's own, each without a walk over b's 8000 values.
+        for i in 4..3000 {
+            assert_eq!(put_as(&s, 0, &format!("a/{i}"), 64 << 10), Status::Ok);
+        }
+        assert_eq!(
+            s.usage
+                .slot(1)
+                .items
+                .load(std::sync::atomic::Ordering::Relaxed),
+            8000
+        );
+        assert_eq!(
+            s.usage
+                .slot(0)
+                .items
+                .load(std::sync::atomic::Ordering::Relaxed),
+            3
+        );
     }
 
     #[test]

@@ -35,7 +35,8 @@ impl Value {
 /// Heap bytes charged per index entry on top of its key and checksums: the hash table slot (at
 /// its worst load factor), the key's and the value's allocations, its places in the eviction
 /// queues (which hold up to twice the live entries before compaction), a lease heap item and a
-/// ghost. docs/security.md states the bound this gives.
+/// ghost (a tenant with a quota pays `OWN_QUEUE_CHARGE` more). docs/security.md states the bound
+/// this gives.
 pub const ENTRY_OVERHEAD: u64 = 512;
 
 /// What an entry of `key_len` and `len` bytes is charged for its index memory.

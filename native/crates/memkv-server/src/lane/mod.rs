@@ -9,6 +9,7 @@
 
 mod index;
 mod leases;
+mod own;
 mod pins;
 mod s3fifo;
 #[cfg(test)]
@@ -26,6 +27,7 @@ use crate::tenants::TenantId;
 pub use index::{index_charge, Value, ENTRY_OVERHEAD};
 use index::{Entry, Key};
 use leases::Leases;
+use own::OwnQueues;
 pub use pins::{Pinned, Reservation};
 use s3fifo::Queues;
 
@@ -37,6 +39,8 @@ const LOOKUPS_PER_LOCK: usize = 256;
 struct Inner {
     index: HashMap<Key, Entry>,
     queues: Queues,
+    /// The values of each tenant with a quota, oldest first (`evict_own`'s victims).
+    own: OwnQueues,
     leases: Leases,
     /// Bytes of values being sent.
     in_transfer: u64,
@@ -73,12 +77,29 @@ impl Inner {
         self.index_bytes -= e.charge;
         self.usage
             .release(e.tenant, footprint(e.value.span.len()) + e.charge);
+        if self.usage.bounded(e.tenant) {
+            self.own.forget(e.tenant);
+        }
         self.usage
             .slot(e.tenant)
             .items
             .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         true
     }
+}
+
+/// Heap bytes an entry of a tenant with a quota costs on top of `ENTRY_OVERHEAD`: its places in
+/// the tenant's own queue (`own`), which holds up to about twice its live entries.
+pub const OWN_QUEUE_CHARGE: u64 = 64;
+
+/// The index charge of `tenant`'s value of `len` bytes under a key of `key_len` bytes.
+pub fn tenant_charge(usage: &Usage, tenant: TenantId, key_len: usize, len: u64) -> u64 {
+    let own = if usage.bounded(tenant) {
+        OWN_QUEUE_CHARGE
+    } else {
+        0
+    };
+    index_charge(key_len, len) + own
 }
 
 /// Counters a lane reports; summed over lanes by the store.
@@ -100,6 +121,8 @@ pub struct Lane {
     /// Bound on pinned bytes (leased or being sent), and on bytes being received.
     max_pinned_bytes: u64,
     evictions: std::sync::atomic::AtomicU64,
+    /// What `Inner` holds too, readable without the lock (the quotas never change).
+    usage: Arc<Usage>,
 }
 
 impl Lane {
@@ -121,15 +144,17 @@ impl Lane {
             inner: Mutex::new(Inner {
                 index: HashMap::new(),
                 queues: Queues::default(),
+                own: OwnQueues::default(),
                 leases: Leases::default(),
                 in_transfer: 0,
                 receiving: 0,
                 index_bytes: 0,
                 next_gen: 1,
-                usage,
+                usage: usage.clone(),
             }),
             max_pinned_bytes,
             evictions: Default::default(),
+            usage,
         })
     }
 
@@ -173,7 +198,7 @@ impl Lane {
         key_len: usize,
         len: u64,
     ) -> Result<Reservation<'_>, Status> {
-        let charge = index_charge(key_len, len);
+        let charge = tenant_charge(&self.usage, tenant, key_len, len);
         if footprint(len).saturating_add(charge) > self.capacity() {
             return Err(Status::TooLarge);
         }
@@ -220,7 +245,7 @@ impl Lane {
         inner.next_gen += 1;
         let in_main = inner.queues.admit(&key, gen, len);
         inner.index.insert(
-            key,
+            key.clone(),
             Entry {
                 value,
                 gen,
@@ -236,6 +261,9 @@ impl Lane {
             .slot(tenant)
             .items
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if inner.usage.bounded(tenant) {
+            inner.own.admit(tenant, &key, gen, &inner.index);
+        }
         inner.compact();
     }
 
@@ -362,14 +390,13 @@ impl Lane {
     }
 
     /// Evicts one of `tenant`'s values here, to make room under its quota (its own pressure
-    /// never takes another tenant's values). The victim is the first of its values in S3-FIFO
-    /// order that is not pinned, one not read since it was queued first. False when the lane
-    /// holds none it may evict.
+    /// never takes another tenant's values): its oldest unpinned value, one not read since it
+    /// was stored first (`own::OwnQueues::victim`). False when the lane holds none it may evict.
     pub fn evict_own(&self, tenant: TenantId) -> bool {
         let mut guard = self.inner.lock().unwrap();
         let inner = &mut *guard;
         inner.leases.expire(&mut inner.index, Instant::now());
-        let Some(key) = inner.queues.victim_of(&inner.index, |e| e.tenant == tenant) else {
+        let Some(key) = inner.own.victim(tenant, &inner.index) else {
             return false;
         };
         self.evict(inner, &key);

@@ -98,40 +98,6 @@ impl Queues {
         None
     }
 
-    /// The key to evict among the entries `pick` accepts (one tenant's): the first in eviction
-    /// order (small, then main) that is not pinned, preferring one not read since it was
-    /// queued; the caller removes it. A scan that leaves the queues as they are: popping until
-    /// an accepted entry came up would reorder every other entry's place.
-    pub(super) fn victim_of(
-        &mut self,
-        index: &HashMap<Key, Entry>,
-        pick: impl Fn(&Entry) -> bool,
-    ) -> Option<Key> {
-        let queued =
-            (self.small.iter().map(|i| (true, i))).chain(self.main.iter().map(|i| (false, i)));
-        let mut read_since = None;
-        let mut found = None;
-        for (from_small, (key, gen)) in queued {
-            let Some(e) = index.get(key) else {
-                continue;
-            };
-            let pinned = e.lease_until.is_some() || Arc::strong_count(&e.value) > 1;
-            if e.gen != *gen || pinned || !pick(e) {
-                continue;
-            }
-            if e.freq == 0 {
-                found = Some((from_small, key.clone()));
-                break;
-            }
-            read_since.get_or_insert((from_small, key.clone()));
-        }
-        let (from_small, key) = found.or(read_since)?;
-        if from_small {
-            self.remember(&key);
-        }
-        Some(key)
-    }
-
     /// Adds `key`, evicted from small, to the ghost list.
     fn remember(&mut self, key: &[u8]) {
         let h = ghost_hash(key);

@@ -54,6 +54,11 @@ impl Usage {
         Usage::new([u64::MAX])
     }
 
+    /// Whether `t` has a quota (the implicit tenant has none).
+    pub fn bounded(&self, t: TenantId) -> bool {
+        self.slot(t).quota != u64::MAX
+    }
+
     pub fn slot(&self, t: TenantId) -> &Slot {
         &self.slots[t as usize]
     }
