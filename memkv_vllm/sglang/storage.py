@@ -253,6 +253,11 @@ class MemKVHiCacheStorage(HiCacheStorage):
     def _in_pool(self, ptr: int, nbytes: int) -> bool:
         return any(b <= ptr and ptr + nbytes <= b + n for b, n in self._buffers)
 
+    def remote_keys(self, key: str) -> list[bytes]:
+        """The memkv keys page `key` is stored under, one per segment (for operators and
+        tests); empty before `register_mem_pool_host`."""
+        return [] if self._keys is None else self._keys.of(key)
+
     # ------------------------------------------------------------------------ admin
     def clear(self) -> None:
         """memkv deletes no namespace at once: values stay until evicted (LRU). A deployment
