@@ -36,8 +36,8 @@ def fast(**kw):  # noqa: ANN003, ANN201
     return {"op_timeout_s": 1.0, "connect_timeout_s": 1.0, "lookup_timeout_s": 1.0, **kw}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize(("kind", "layout"), [(k, lay) for k in ("mha", "mla") for lay in LAYOUTS]
+                         + [("mha", "page_head")])
 def test_set_exists_get_round_trip_through_a_real_host_pool(memkv_server, kind, layout):
     host = host_pool(kind, layout)
     b = backend(host, storage_config(kind == "mla", servers=memkv_server.address))
