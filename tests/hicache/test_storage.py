@@ -244,7 +244,7 @@ def test_a_server_that_answers_nothing_is_a_miss(memkv_server):
     probe.close()
 
 
-def test_no_server_configured_reachable_at_start_still_loads(tmp_path):
+def test_servers_down_at_startup_are_misses():
     """A backend whose servers are not there at startup comes up; every page misses."""
     host = host_pool("mha", "page_first")
     b = backend(host, storage_config(False, **fast(servers="127.0.0.1:9")))
