@@ -35,7 +35,8 @@ VER="${SGLANG_VERSION:-$("$PY" -m pip index versions sglang 2>/dev/null \
   | sed -n 's/^sglang (\(.*\))$/\1/p' | head -1)}"
 [[ -n "$VER" ]] || { echo "setup-sglang: cannot find sglang's newest version" >&2; exit 1; }
 SITE="$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-want="sglang $VER over $SITE"
+TORCH="$("$BASE/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
+want="sglang $VER over $SITE (torch $TORCH)"
 if [[ -f "$VENV/.memkv-setup-ok" && "$(cat "$VENV/.memkv-setup-ok")" == "$want" ]]; then
   step "$want already installed"
   exit 0
@@ -47,7 +48,6 @@ rm -rf "$VENV"
 echo "$SITE" > "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-memkv-vllm-venv.pth"
 # torchvision must match the vLLM venv's torch (torch 2.N pairs with torchvision 0.(N+15));
 # sglang's model configs import it, vLLM's venv leaves it out.
-TORCH="$("$BASE/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
 minor="${TORCH#2.}"; minor="${minor%%.*}"
 step "sglang==$VER --no-deps; orjson, gguf, ipython, torchvision==0.$((minor + 15)).* (torch $TORCH)"
 pip install --no-deps "sglang==$VER" orjson gguf "torchvision==0.$((minor + 15)).*"

@@ -31,6 +31,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
@@ -119,6 +122,27 @@ class MemKVHiCacheStorage(HiCacheStorage):
         self._gb_per_page = geometry.page_bytes / (1 << 30)
         logger.info("memkv sglang: key namespace %s (%s), %d segment(s) per page",
                     layout.namespace, layout.describe(), geometry.segments)
+
+    # ------------------------------------------------------------------------ hybrid pools (v2)
+    # Side pools of hybrid models (Mamba, SWA, DSA indexers, draft KV) are not stored: their
+    # prefixes miss in L3, and SGLang recomputes them. Said once at registration, never raised.
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if host_pool_name != PoolName.KV:
+            logger.warning("memkv sglang: host pool %r of a hybrid model is not stored; prefixes "
+                           "that need it miss in L3", str(host_pool_name))
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        return PoolTransferResult.empty()
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return {str(t.name): [False] * len(t.keys or ()) for t in transfers}
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return self.batch_get_v2(transfers)
 
     # ------------------------------------------------------------------------ zero copy (v1)
     def batch_exists(self, keys: list[str],

@@ -257,3 +257,17 @@ def test_a_bad_setting_fails_at_startup(memkv_server):
     host = host_pool("mha", "page_first")
     with pytest.raises(ValueError, match="op_timeout_s"):
         backend(host, storage_config(False, servers=memkv_server.address, op_timeout_s=-1))
+
+
+def test_side_pools_of_hybrid_models_are_misses_never_errors(memkv_server):
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    host = host_pool("mha", "page_first")
+    b = backend(host, storage_config(False, servers=memkv_server.address))
+    b.register_mem_host_pool_v2(host_pool("mha", "page_first"), PoolName.SWA)
+    keys = names("hybrid", 2)
+    swa = PoolTransfer(name=PoolName.SWA, host_indices=pages(host, 0, 2), keys=keys)
+    assert b.batch_set_v2([swa]) == {"swa": [False, False]}
+    assert b.batch_exists_v2(keys, [swa]).kv_hit_pages == 0
+    assert b.batch_get_v2([swa]) == {"swa": [False, False]}
+    b.close()
