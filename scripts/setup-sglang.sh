@@ -26,7 +26,9 @@ step() { echo "[setup-sglang $(( $(date +%s) - t0 ))s] $*"; }
 pip() { env PIP_PROGRESS_BAR=off "$VENV/bin/python" -m pip "$@" >> "$LOG" 2>&1 ||
   { tail -20 "$LOG" >&2; echo "setup-sglang: pip $* failed; full output in $LOG" >&2; exit 1; }; }
 
-if [[ ! -x "$BASE/bin/python" ]] || ! "$BASE/bin/python" -c 'import torch' 2>/dev/null; then
+# The torch of the vLLM venv, from its metadata (importing torch takes seconds).
+torch_version() { "$BASE/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))'; }
+if [[ ! -x "$BASE/bin/python" ]] || ! torch_version >/dev/null 2>&1; then
   step "no torch in $BASE (scripts/setup-vllm.sh makes it): .venv-sglang not made," \
     "tests/hicache will skip"
   exit 0
@@ -35,7 +37,7 @@ VER="${SGLANG_VERSION:-$("$PY" -m pip index versions sglang 2>/dev/null \
   | sed -n 's/^sglang (\(.*\))$/\1/p' | head -1)}"
 [[ -n "$VER" ]] || { echo "setup-sglang: cannot find sglang's newest version" >&2; exit 1; }
 SITE="$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-TORCH="$("$BASE/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
+TORCH="$(torch_version)"; TORCH="${TORCH%%+*}"
 want="sglang $VER over $SITE (torch $TORCH)"
 if [[ -f "$VENV/.memkv-setup-ok" && "$(cat "$VENV/.memkv-setup-ok")" == "$want" ]]; then
   step "$want already installed"
