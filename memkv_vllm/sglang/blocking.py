@@ -21,9 +21,11 @@ from collections.abc import Sequence
 
 from memkv_vllm.core.interface import Completion, DirectOffloader, Lookup
 
-# How often a caller looks again for answers that arrive without a wake-up: a probe's (the store
-# exposes no wait for those) and a completion another caller's poll took for it.
+# How often a caller looks again for a probe's answer (the store exposes no wait for those).
 _RECHECK_S = 0.0005
+# The longest a job's waiter sleeps: `wait_any` wakes it when a completion lands; only one that
+# another caller's poll took for it arrives without a wake-up.
+_HANDOFF_S = 0.005
 
 
 class BlockingStore:
@@ -66,7 +68,7 @@ class BlockingStore:
                 mine = self._finished.pop(job_id, None)
             if mine is not None:
                 return mine
-            self._store.wait_any(_RECHECK_S)
+            self._store.wait_any(_HANDOFF_S)
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         """BLOCKING: is each key in the cluster? One batched probe for the keys without a fresh
