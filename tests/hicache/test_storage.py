@@ -271,3 +271,26 @@ def test_side_pools_of_hybrid_models_are_misses_never_errors(memkv_server):
     assert b.batch_exists_v2(keys, [swa]).kv_hit_pages == 0
     assert b.batch_get_v2([swa]) == {"swa": [False, False]}
     b.close()
+
+
+def test_concurrent_callers_each_get_their_own_answers(memkv_server):
+    """SGLang's prefetch, backup and scheduler threads call one backend at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    host = host_pool("mha", "page_first", tokens=512)
+    b = backend(host, storage_config(False, servers=memkv_server.address))
+    want = page_bytes(host, 0, 8)
+
+    def worker(t: int) -> bool:
+        ok = True
+        for r in range(5):
+            keys = names(f"conc-{t}-{r}", 2)
+            ok &= b.batch_set_v1(keys, pages(host, 2 * t, 2)) == [True, True]
+            ok &= b.batch_exists(keys) == 2
+            ok &= b.batch_get_v1(keys, pages(host, 8 + 2 * t, 2)) == [True, True]
+            ok &= same(page_bytes(host, 8 + 2 * t, 2), want[2 * t:2 * t + 2])
+        return ok
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(worker, range(4)))
+    b.close()
