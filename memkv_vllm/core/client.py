@@ -110,7 +110,8 @@ class CodesClient:
     of status codes per batch: byte i is key i's :class:`Status` number. No Python object is made
     per key, so a batched check of thousands of keys costs what the native call costs; callers
     that compare numbers (the block store, ``codes[i] == Status.OK``) use this. Implements
-    :class:`memkv_vllm.core.interface.BlockClient`."""
+    :class:`memkv_vllm.core.interface.BlockClient` and
+    :class:`memkv_vllm.core.interface.AsyncBlockClient`."""
 
     __slots__ = ("_c",)
 
@@ -159,6 +160,30 @@ class CodesClient:
     def submit_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> CodesOp:
         ptrs, sizes = _addresses(buffers, writable=True)
         return CodesOp(self._c.submit_get_into(list(keys), ptrs, sizes, list(buffers)))
+
+    # -- submitted raw-pointer calls announced on a completion queue (AsyncBlockClient) ------
+
+    def completion_queue(self) -> _native.CompletionQueue:
+        """A queue the native I/O threads push each tagged op's tag onto once it completed."""
+        return _native.CompletionQueue()
+
+    def submit_put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
+                        queue: _native.CompletionQueue | None = None, tag: int = 0) -> CodesOp:
+        """UNSAFE, as :meth:`MemKVClient.put_ptrs`, until the op is done: the memory must stay
+        valid and unchanged until then; nothing reads it afterwards."""
+        return CodesOp(self._c.submit_put(list(keys), list(ptrs), list(sizes), None, queue, tag))
+
+    def submit_get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int],
+                             sizes: Sequence[int], queue: _native.CompletionQueue | None = None,
+                             tag: int = 0) -> CodesOp:
+        """UNSAFE, as :meth:`MemKVClient.get_into_ptrs`, until the op is done: nothing writes
+        the memory once it is (TIMEOUT included)."""
+        return CodesOp(self._c.submit_get_into(list(keys), list(ptrs), list(sizes), None, queue,
+                                               tag))
+
+    def submit_delete(self, keys: Sequence[bytes], queue: _native.CompletionQueue | None = None,
+                      tag: int = 0) -> CodesOp:
+        return CodesOp(self._c.submit_delete(keys, queue, tag))
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         """As :meth:`MemKVClient.register_buffer`: a block store holding this face registers
@@ -268,6 +293,27 @@ class MemKVClient:
 
     def submit_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> Op:
         return Op(self.codes.submit_get_into(keys, buffers))
+
+    # -- submitted raw-pointer calls announced on a completion queue (AsyncBlockClient) ------
+
+    def completion_queue(self) -> _native.CompletionQueue:
+        """As :meth:`CodesClient.completion_queue`."""
+        return self.codes.completion_queue()
+
+    def submit_put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
+                        queue: _native.CompletionQueue | None = None, tag: int = 0) -> Op:
+        """UNSAFE, as :meth:`CodesClient.submit_put_ptrs`."""
+        return Op(self.codes.submit_put_ptrs(keys, ptrs, sizes, queue, tag))
+
+    def submit_get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int],
+                             sizes: Sequence[int], queue: _native.CompletionQueue | None = None,
+                             tag: int = 0) -> Op:
+        """UNSAFE, as :meth:`CodesClient.submit_get_into_ptrs`."""
+        return Op(self.codes.submit_get_into_ptrs(keys, ptrs, sizes, queue, tag))
+
+    def submit_delete(self, keys: Sequence[bytes], queue: _native.CompletionQueue | None = None,
+                      tag: int = 0) -> Op:
+        return Op(self.codes.submit_delete(keys, queue, tag))
 
     # -- cluster -------------------------------------------------------------------------------
 
