@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from memkv_vllm.core.interface import BlockClient, ProbeHandle
+from memkv_vllm.core.interface import BlockClient, CompletionQueue, ProbeHandle
 
 __all__ = ["FutureOp", "PooledBlockClient", "SubmittedCalls", "TagQueue"]
 
@@ -64,6 +64,13 @@ class FutureOp:
             return None
 
 
+def _own(queue: CompletionQueue | None) -> TagQueue | None:
+    """`queue` as a queue Python threads can push onto (one `completion_queue()` made)."""
+    if queue is None or isinstance(queue, TagQueue):
+        return queue
+    raise TypeError(f"not a queue of this client: {queue!r}")
+
+
 class SubmittedCalls:
     """Blocking calls run on at most `threads` pool threads (started as needed), each returned as
     a `FutureOp` whose tag is pushed onto its queue once the call returned or raised."""
@@ -72,8 +79,10 @@ class SubmittedCalls:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads),
                                                            thread_name_prefix=name)
 
-    def submit(self, fn: Callable[..., Any], *args: Any, queue: TagQueue | None = None,
+    def submit(self, fn: Callable[..., Any], *args: Any, queue: CompletionQueue | None = None,
                tag: int = 0) -> FutureOp:
+        """`queue`: one a `completion_queue()` of this module made (a `TagQueue`)."""
+        queue = _own(queue)
         fut = self._pool.submit(fn, *args)
         if queue is not None:
             # Runs once the future holds its result (or at once if it already does).
@@ -100,16 +109,17 @@ class PooledBlockClient:
         return self.client.submit_exists(keys, lease_ms)
 
     def submit_get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int],
-                             sizes: Sequence[int], queue: TagQueue | None = None,
+                             sizes: Sequence[int], queue: CompletionQueue | None = None,
                              tag: int = 0) -> FutureOp:
-        return self._calls.submit(self.client.get_into_ptrs, keys, ptrs, sizes, queue=queue,
-                                  tag=tag)
+        return self._calls.submit(self.client.get_into_ptrs, keys, ptrs, sizes,
+                                  queue=queue, tag=tag)
 
     def submit_put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
-                        queue: TagQueue | None = None, tag: int = 0) -> FutureOp:
-        return self._calls.submit(self.client.put_ptrs, keys, ptrs, sizes, queue=queue, tag=tag)
+                        queue: CompletionQueue | None = None, tag: int = 0) -> FutureOp:
+        return self._calls.submit(self.client.put_ptrs, keys, ptrs, sizes, queue=queue,
+                                  tag=tag)
 
-    def submit_delete(self, keys: Sequence[bytes], queue: TagQueue | None = None,
+    def submit_delete(self, keys: Sequence[bytes], queue: CompletionQueue | None = None,
                       tag: int = 0) -> FutureOp:
         return self._calls.submit(self.client.delete, keys, queue=queue, tag=tag)
 

@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 from memkv_vllm.core.completions import FutureOp, SubmittedCalls, TagQueue
 from memkv_vllm.core.config import MemKVConfig
-from memkv_vllm.core.interface import Status
+from memkv_vllm.core.interface import CompletionQueue, Status
 
 __all__ = ["TRAILER_BYTES", "RedisBlockClient", "frame_value", "redis_key", "unframe_value"]
 
@@ -452,17 +452,17 @@ class RedisBlockClient:
         return TagQueue()
 
     def submit_get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int],
-                             sizes: Sequence[int], queue: TagQueue | None = None,
+                             sizes: Sequence[int], queue: CompletionQueue | None = None,
                              tag: int = 0) -> FutureOp:
         """`get_into_ptrs` on the I/O pool; `tag` is pushed onto `queue` once it returned."""
         return self._calls.submit(self.get_into_ptrs, keys, ptrs, sizes, queue=queue, tag=tag)
 
     def submit_put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
-                        queue: TagQueue | None = None, tag: int = 0) -> FutureOp:
+                        queue: CompletionQueue | None = None, tag: int = 0) -> FutureOp:
         """`put_ptrs` on the I/O pool; `tag` as for `submit_get_into_ptrs`."""
         return self._calls.submit(self.put_ptrs, keys, ptrs, sizes, queue=queue, tag=tag)
 
-    def submit_delete(self, keys: Sequence[bytes], queue: TagQueue | None = None,
+    def submit_delete(self, keys: Sequence[bytes], queue: CompletionQueue | None = None,
                       tag: int = 0) -> FutureOp:
         """`delete` on the I/O pool; `tag` as for `submit_get_into_ptrs`."""
         return self._calls.submit(self.delete, keys, queue=queue, tag=tag)

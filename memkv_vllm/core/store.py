@@ -157,8 +157,8 @@ class BlockStore:
             if isinstance(client, AsyncBlockClient):
                 self._io = client
             else:
-                self._io = self._pooled = PooledBlockClient(
-                    client, self._limit[True] + self._limit[False] + 1)
+                self._pooled = PooledBlockClient(client, self._limit[True] + self._limit[False] + 1)
+                self._io = self._pooled
             self._queue = self._io.completion_queue()
             self._harvester = threading.Thread(target=self._harvest_loop, name="memkv-harvest",
                                                daemon=True)

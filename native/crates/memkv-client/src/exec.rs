@@ -9,7 +9,7 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{unbounded, Sender};
+use crossbeam_channel::{select_biased, unbounded, Sender};
 
 use crate::Status;
 
@@ -151,35 +151,56 @@ impl Drop for Completion {
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// Which queue a submitted operation waits in for an I/O thread: a free thread takes the oldest
+/// `Urgent` operation (lookups, loads: a request waits for them) before any `Bulk` one (stores,
+/// deletes), so a backlog of stores delays a load by at most the operations already running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Lane {
+    #[default]
+    Urgent,
+    Bulk,
+}
+
 pub struct Executor {
-    tx: Sender<Job>,
+    urgent: Sender<Job>,
+    bulk: Sender<Job>,
 }
 
 impl Executor {
     pub fn new(threads: usize) -> Executor {
-        let (tx, rx) = unbounded::<Job>();
+        let (urgent, urgent_rx) = unbounded::<Job>();
+        let (bulk, bulk_rx) = unbounded::<Job>();
         for i in 0..threads {
-            let rx = rx.clone();
+            let (u, b) = (urgent_rx.clone(), bulk_rx.clone());
             std::thread::Builder::new()
                 .name(format!("memkv-io-{i}"))
-                .spawn(move || {
-                    while let Ok(job) = rx.recv() {
-                        job();
+                .spawn(move || loop {
+                    // Both lanes close together (the Executor dropped): what one still holds
+                    // runs before the thread ends.
+                    let job = select_biased! {
+                        recv(u) -> j => j.or_else(|_| b.recv()),
+                        recv(b) -> j => j.or_else(|_| u.recv()),
+                    };
+                    match job {
+                        Ok(job) => job(),
+                        Err(_) => return,
                     }
                 })
                 .expect("spawn memkv I/O thread");
         }
-        Executor { tx }
+        Executor { urgent, bulk }
     }
 
     pub fn submit(&self, f: impl FnOnce() -> OpResult + Send + 'static) -> Op {
-        self.submit_to(f, None)
+        self.submit_to(f, Lane::Urgent, None)
     }
 
-    /// As `submit`; once the returned `Op` is complete, `notify`'s tag is pushed onto its queue.
+    /// As `submit`, in `lane`; once the returned `Op` is complete, `notify`'s tag is pushed onto
+    /// its queue.
     pub fn submit_to(
         &self,
         f: impl FnOnce() -> OpResult + Send + 'static,
+        lane: Lane,
         notify: Option<(CompletionQueue, u64)>,
     ) -> Op {
         let op = Op(Arc::default());
@@ -193,7 +214,11 @@ impl Executor {
                 .unwrap_or_else(|p| OpResult::Panicked(panic_message(&*p)));
             done.finish(r);
         });
-        if let Err(e) = self.tx.send(job) {
+        let tx = match lane {
+            Lane::Urgent => &self.urgent,
+            Lane::Bulk => &self.bulk,
+        };
+        if let Err(e) = tx.send(job) {
             // Only possible if the threads are gone; run inline rather than never completing.
             (e.into_inner())();
         }
@@ -247,6 +272,7 @@ mod tests {
             .map(|t| {
                 let op = ex.submit_to(
                     move || OpResult::Statuses(vec![Status::Ok; t as usize % 3]),
+                    Lane::Urgent,
                     Some((q.clone(), t)),
                 );
                 (t, op)
@@ -272,7 +298,7 @@ mod tests {
     fn a_panicking_op_delivers_its_tag() {
         let ex = Executor::new(1);
         let q = CompletionQueue::new();
-        let op = ex.submit_to(|| panic!("bad {}", 1), Some((q.clone(), 7)));
+        let op = ex.submit_to(|| panic!("bad {}", 1), Lane::Bulk, Some((q.clone(), 7)));
         assert_eq!(tags(&q, 1), [7]);
         assert!(
             matches!(op.wait(Some(Duration::ZERO)), Some(OpResult::Panicked(m)) if m == "bad 1")
@@ -321,12 +347,51 @@ mod tests {
                 rx.recv().unwrap();
                 OpResult::Statuses(vec![])
             },
+            Lane::Urgent,
             Some((q.clone(), 1)),
         );
-        ex.submit_to(|| OpResult::Statuses(vec![]), Some((q.clone(), 2)));
+        ex.submit_to(
+            || OpResult::Statuses(vec![]),
+            Lane::Bulk,
+            Some((q.clone(), 2)),
+        );
         assert_eq!(tags(&q, 1), [2]);
         assert!(!slow.done());
         tx.send(()).unwrap();
         assert_eq!(tags(&q, 1), [1]);
+    }
+
+    #[test]
+    fn urgent_operations_start_before_waiting_bulk_ones() {
+        let ex = Executor::new(1);
+        let q = CompletionQueue::new();
+        let (tx, rx) = crossbeam_channel::bounded::<()>(0);
+        let (started_tx, started) = crossbeam_channel::bounded::<()>(1);
+        // The one thread is busy; then bulk 1..=3 and urgent 10, 11 wait.
+        ex.submit_to(
+            move || {
+                started_tx.send(()).unwrap();
+                rx.recv().unwrap();
+                OpResult::Statuses(vec![])
+            },
+            Lane::Bulk,
+            Some((q.clone(), 0)),
+        );
+        started.recv().unwrap();
+        for (tag, lane) in [(1, Lane::Bulk), (2, Lane::Bulk), (10, Lane::Urgent)] {
+            ex.submit_to(|| OpResult::Statuses(vec![]), lane, Some((q.clone(), tag)));
+        }
+        ex.submit_to(
+            || OpResult::Statuses(vec![]),
+            Lane::Bulk,
+            Some((q.clone(), 3)),
+        );
+        ex.submit_to(
+            || OpResult::Statuses(vec![]),
+            Lane::Urgent,
+            Some((q.clone(), 11)),
+        );
+        tx.send(()).unwrap();
+        assert_eq!(tags(&q, 6), [0, 10, 11, 1, 2, 3]);
     }
 }

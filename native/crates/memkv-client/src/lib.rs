@@ -31,7 +31,7 @@ pub use memkv_fabric::{memory, Memory};
 
 pub use buf::Buf;
 use conn::{Conn, ConnError};
-pub use exec::{CompletionQueue, Executor, Op, OpResult};
+pub use exec::{CompletionQueue, Executor, Lane, Op, OpResult};
 pub use pool::{Failure, Health};
 use pool::{Pool, PoolConfig};
 pub use status::Status;
@@ -673,17 +673,19 @@ impl Client {
 
     /// Runs `job` on the I/O threads; the returned Op completes with its result.
     pub fn submit(self: &Arc<Self>, job: impl FnOnce(&Client) -> OpResult + Send + 'static) -> Op {
-        self.submit_to(job, None)
+        self.submit_to(job, Lane::Urgent, None)
     }
 
-    /// As `submit`; once the Op is complete its tag is pushed onto the queue (`exec`).
+    /// As `submit`, in `lane`; once the Op is complete its tag is pushed onto the queue
+    /// (`exec`).
     pub fn submit_to(
         self: &Arc<Self>,
         job: impl FnOnce(&Client) -> OpResult + Send + 'static,
+        lane: Lane,
         notify: Option<(CompletionQueue, u64)>,
     ) -> Op {
         let me = self.clone();
-        self.exec.submit_to(move || job(&me), notify)
+        self.exec.submit_to(move || job(&me), lane, notify)
     }
 }
 

@@ -23,9 +23,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use memkv_client::CompletionQueue;
 use memkv_client::{exec::panic_message, Buf, Client, ClientConfig, Op, OpResult, Status};
 use memkv_client::{placement, TransportChoice};
+use memkv_client::{CompletionQueue, Lane};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -226,7 +226,7 @@ impl PyClient {
 
     /// Like exists, on the I/O threads. Every submit_* takes an optional `queue` and `tag`: the
     /// tag is pushed onto the queue once the Op is complete. Its deadline (op_timeout_s) counts
-    /// from submission.
+    /// from submission. Lookups and loads start before stores and deletes waiting for a thread.
     #[pyo3(signature = (keys, lease_ms=0, queue=None, tag=0))]
     fn submit_exists(
         &self,
@@ -239,6 +239,7 @@ impl PyClient {
         PyOp {
             op: self.inner.submit_to(
                 move |c| OpResult::StatusLens(c.exists_by(&keys.slices(), lease_ms, by)),
+                Lane::Urgent,
                 notify(queue, tag),
             ),
         }
@@ -251,6 +252,7 @@ impl PyClient {
         PyOp {
             op: self.inner.submit_to(
                 move |c| OpResult::Statuses(c.delete_by(&keys.slices(), by)),
+                Lane::Bulk,
                 notify(queue, tag),
             ),
         }
@@ -419,6 +421,7 @@ impl PyClient {
                     drop(owner);
                     OpResult::Statuses(st)
                 },
+                if put { Lane::Bulk } else { Lane::Urgent },
                 notify,
             ),
         })
