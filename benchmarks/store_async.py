@@ -13,8 +13,9 @@ of --repeat rounds:
              its connections, no store);
 each for stores and for loads, of --volume bytes cut into jobs of --blocks values of --value
 bytes, all jobs submitted at once (a stream; "1 job": one at a time, submit to completion).
-Ratios are to the TCP ceiling: --ceiling-conns (8) loopback connections between threads of
-this process moving the same volume (benchmarks/tcp_ceiling.py).
+Shares are of the TCP ceiling measured just before each row (a loaded box moves): --ceiling-conns
+(8) loopback connections between threads of this process moving the same volume
+(benchmarks/tcp_ceiling.py). The last line sums up new / old over every cell.
 
     python benchmarks/store_async.py [--quick] [--conns 2,4,8] [--io-threads 4,8,16]
 """
@@ -108,26 +109,28 @@ def run_store(st: BlockStore, w: Workload, load: bool, stream: bool) -> float:
 
 
 def measure(address: str, conns: int, io_threads: int, w: Workload, repeat: int,
-            modes: Sequence[str]) -> dict[str, float]:
+            modes: Sequence[str]) -> dict[str, list[float]]:
+    """GB/s per mode: [store, load, store 1 job, load 1 job] (raw: [store, load])."""
     cfg = load_config({"servers": [address], "connections_per_server": conns,
                        "io_threads": io_threads})
     client = MemKVClient.from_config(cfg)
-    out: dict[str, float] = {}
+    out: dict[str, list[float]] = {}
     try:
-        for mode, (pattern, stream) in itertools.product(modes, (("", True), (" 1 job", False))):
-            put, get = [], []
-            for _ in range(repeat):
-                # A fresh store per round: it would skip storing values it knows are stored.
-                face = client.codes if mode == "new" else Blocking(client.codes)
-                st = BlockStore(face, StoreOptions(max_store_backlog_bytes=2 * w.nbytes))
-                st.register_buffer(int(w.mem.ctypes.data), w.nbytes, owner=w.mem)
-                try:
-                    put.append(run_store(st, w, False, stream))
-                    get.append(run_store(st, w, True, stream))
-                finally:
-                    st.close()
-            out[f"{mode}{pattern} store"] = gbps(w.nbytes, min(put))
-            out[f"{mode}{pattern} load"] = gbps(w.nbytes, min(get))
+        for mode in modes:
+            out[mode] = []
+            for stream in (True, False):
+                put, get = [], []
+                for _ in range(repeat):
+                    # A fresh store per round: it would skip storing values it knows are stored.
+                    face = client.codes if mode == "new" else Blocking(client.codes)
+                    st = BlockStore(face, StoreOptions(max_store_backlog_bytes=2 * w.nbytes))
+                    st.register_buffer(int(w.mem.ctypes.data), w.nbytes, owner=w.mem)
+                    try:
+                        put.append(run_store(st, w, False, stream))
+                        get.append(run_store(st, w, True, stream))
+                    finally:
+                        st.close()
+                out[mode] += [gbps(w.nbytes, min(put)), gbps(w.nbytes, min(get))]
         keys = [f"raw/{i}".encode() for i in range(w.n)]
         sizes = [w.value] * w.n
         put, get = [], []
@@ -138,7 +141,7 @@ def measure(address: str, conns: int, io_threads: int, w: Workload, repeat: int,
             t0 = time.perf_counter()
             client.codes.get_into_ptrs(keys, w.ptrs, sizes)
             get.append(time.perf_counter() - t0)
-        out["raw store"], out["raw load"] = gbps(w.nbytes, min(put)), gbps(w.nbytes, min(get))
+        out["raw"] = [gbps(w.nbytes, min(put)), gbps(w.nbytes, min(get))]
     finally:
         client.close()
     return out
@@ -164,19 +167,29 @@ def main() -> None:
     # Rounds overwrite the same keys: room for them twice over, and for the raw run's.
     server = MemKVServer(memory=f"{(4 * w.nbytes >> 20) + 64}M").start()
     try:
-        ceiling = tcp_ceiling(w.nbytes, max(3, repeat), a.ceiling_conns)
         print(f"{w.n} values of {w.value} B in jobs of {w.blocks} ({w.nbytes / 1e9:.2f} GB per "
-              f"direction); TCP ceiling, {a.ceiling_conns} connections: {ceiling:.2f} GB/s")
-        cols = [f"{m}{p} {d}" for m in modes for p in ("", " 1 job") for d in ("store", "load")]
-        cols += ["raw store", "raw load"]
-        print("conns io_thr | " + " | ".join(f"{c:>13}" for c in cols))
+              f"direction), best of {repeat}; GB/s and share of the row's TCP ceiling "
+              f"({a.ceiling_conns} loopback connections, measured before the row)")
+        cols = ["store", "load", "store 1 job", "load 1 job"]
+        print(f"{'conns':>5} {'io':>3} {'mode':>4} {'TCP':>6} | "
+              + " | ".join(f"{c:>13}" for c in cols))
+        new_over_old: list[float] = []
         for conns, io in itertools.product(map(int, a.conns.split(",")),
                                            map(int, a.io_threads.split(","))):
+            ceiling = tcp_ceiling(w.nbytes, max(3, repeat), a.ceiling_conns)
             r = measure(server.address, conns, io, w, repeat, modes)
-            cells = [f"{r[c]:6.2f} ({r[c] / ceiling:4.0%})" for c in cols]
-            print(f"{conns:5d} {io:6d} | " + " | ".join(f"{c:>13}" for c in cells), flush=True)
-        print("GB/s (share of the TCP ceiling); new = completion queue, old = a thread per "
-              "operation in flight, raw = one blocking client call")
+            for mode, v in r.items():
+                cells = [f"{x:6.2f} ({x / ceiling:4.0%})" for x in v]
+                print(f"{conns:5d} {io:3d} {mode:>4} {ceiling:6.2f} | "
+                      + " | ".join(f"{c:>13}" for c in cells), flush=True)
+            if "new" in r and "old" in r:
+                new_over_old += [n / o for n, o in zip(r["new"], r["old"], strict=True)]
+        print("new = completion queue (one harvester thread), old = a Python thread per "
+              "operation in flight, raw = one blocking client call for the whole volume")
+        if new_over_old:
+            print(f"new / old over all rows and columns: min {min(new_over_old):.2f}, "
+                  f"median {sorted(new_over_old)[len(new_over_old) // 2]:.2f}, "
+                  f"max {max(new_over_old):.2f}")
     finally:
         server.stop()
 

@@ -141,8 +141,9 @@ class BlockClient(Protocol):
     """The cluster below an `Offloader`.
 
     Caller: the offloader. `submit_exists` is called on the offloader's owner thread and must not
-    block; `get_into_ptrs` / `put_ptrs` / `delete` are called on the offloader's I/O threads,
-    concurrently with each other, and block until every key has an outcome.
+    block; `get_into_ptrs` / `put_ptrs` / `delete` are called on I/O threads (the offloader runs a
+    client that is not also an `AsyncBlockClient` on a pool of its own), concurrently with each
+    other, and block until every key has an outcome.
 
     Memory guarantee the offloader relies on: a transfer method reads or writes the memory at
     `ptrs[i]` (exactly `sizes[i]` bytes) only while the call is running. `get_into_ptrs` writes a
@@ -291,8 +292,8 @@ class Offloader(Protocol):
         """Start reading `keys` into the caller memory. Loads are never shed. Keys that fail are
         cached as MISS; a value found with another length than requested is deleted from the
         cluster (no reader of this namespace can use it). A key that timed out is a failed key
-        like any other: the client writes nothing once its call returned (`BlockClient`), so
-        the job completes as soon as its calls returned."""
+        like any other: the client writes nothing once its operation completed
+        (`AsyncBlockClient`), so the job completes as soon as its operations did."""
         ...
 
     def submit_store(self, job_id: int, keys: Sequence[bytes], ptrs: Sequence[int],
