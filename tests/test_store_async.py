@@ -195,20 +195,22 @@ class _BrokenOps:
 
 
 def test_failed_and_panicked_operations_complete_their_keys_as_unavailable() -> None:
-    mem = np.zeros((8, 64), dtype=np.uint8)
-    st = BlockStore(_BrokenOps(), StoreOptions(blocks_per_op=2))
+    """More operations than may be in flight: every one fails, none is left waiting."""
+    mem = np.zeros((32, 64), dtype=np.uint8)
+    st = BlockStore(_BrokenOps(), StoreOptions(n_read_threads=2, n_write_threads=2,
+                                               blocks_per_op=2))
     try:
         st.register_buffer(int(mem.ctypes.data), mem.nbytes, owner=mem)
-        ptrs = [int(mem[i].ctypes.data) for i in range(8)]
-        keys = [f"b/{i}".encode() for i in range(8)]
-        st.submit_load(1, keys, ptrs, [64] * 8)
-        st.submit_store(2, keys, ptrs, [64] * 8)
+        ptrs = [int(mem[i].ctypes.data) for i in range(32)]
+        keys = [f"b/{i}".encode() for i in range(32)]
+        st.submit_load(1, keys, ptrs, [64] * 32)
+        st.submit_store(2, keys, ptrs, [64] * 32)
         assert st.drain(10)
         done = {c.job_id: c for c in st.poll()}
         assert sorted(done) == [1, 2]
         assert not done[1].ok and done[1].ok_keys == () and done[1].gone_keys == ()
         assert not done[2].ok and done[2].ok_keys == ()
-        assert st.stats()["load_blocks_failed"] == 8 and st.stats()["store_blocks_failed"] == 8
+        assert st.stats()["load_blocks_failed"] == 32 and st.stats()["store_blocks_failed"] == 32
         assert st.stats()["store_backlog_bytes"] == 0 and not st.has_pending_jobs()
     finally:
         st.close()

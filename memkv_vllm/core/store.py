@@ -417,6 +417,7 @@ class BlockStore:
             except Exception as e:  # a client that cannot start fails these keys, no more
                 logger.warning("memkv %s failed to start: %s", "load" if is_load else "store", e)
                 del self._ops[tag]
+                self._running[is_load] -= 1
                 self._finish(r, [Status.UNAVAILABLE] * (r.hi - r.lo))
 
     def _harvest_loop(self) -> None:
