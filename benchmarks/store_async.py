@@ -15,7 +15,8 @@ each for stores and for loads, of --volume bytes cut into jobs of --blocks value
 bytes, all jobs submitted at once (a stream; "1 job": one at a time, submit to completion).
 Shares are of the TCP ceiling measured just before each row (a loaded box moves): --ceiling-conns
 (8) loopback connections between threads of this process moving the same volume
-(benchmarks/tcp_ceiling.py). The last line sums up new / old over every cell.
+(benchmarks/tcp_ceiling.py). At the end: `memkv bench`'s figures for as many native threads (its
+own TCP ceiling, and memkv's put / get without Python), and new / old over every cell.
 
     python benchmarks/store_async.py [--quick] [--conns 2,4,8] [--io-threads 4,8,16]
 """
@@ -24,7 +25,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from memkv_procs import MemKVServer  # noqa: E402
+from memkv_procs import MemKVServer, memkv_command  # noqa: E402
 from tcp_ceiling import gbps, tcp_ceiling  # noqa: E402
 
 from memkv_vllm.core.client import CodesClient, MemKVClient  # noqa: E402
@@ -115,22 +119,22 @@ def measure(address: str, conns: int, io_threads: int, w: Workload, repeat: int,
                        "io_threads": io_threads})
     client = MemKVClient.from_config(cfg)
     out: dict[str, list[float]] = {}
+    secs: dict[tuple[str, bool], tuple[list[float], list[float]]] = {
+        (m, stream): ([], []) for m in modes for stream in (True, False)}
     try:
-        for mode in modes:
-            out[mode] = []
-            for stream in (True, False):
-                put, get = [], []
-                for _ in range(repeat):
-                    # A fresh store per round: it would skip storing values it knows are stored.
-                    face = client.codes if mode == "new" else Blocking(client.codes)
-                    st = BlockStore(face, StoreOptions(max_store_backlog_bytes=2 * w.nbytes))
-                    st.register_buffer(int(w.mem.ctypes.data), w.nbytes, owner=w.mem)
-                    try:
-                        put.append(run_store(st, w, False, stream))
-                        get.append(run_store(st, w, True, stream))
-                    finally:
-                        st.close()
-                out[mode] += [gbps(w.nbytes, min(put)), gbps(w.nbytes, min(get))]
+        # Rounds outside, modes inside: a box whose load changes meanwhile moves both alike.
+        for _, (mode, stream) in itertools.product(range(repeat), secs):
+            # A fresh store per round: it would skip storing values it knows are stored.
+            face = client.codes if mode == "new" else Blocking(client.codes)
+            st = BlockStore(face, StoreOptions(max_store_backlog_bytes=2 * w.nbytes))
+            st.register_buffer(int(w.mem.ctypes.data), w.nbytes, owner=w.mem)
+            try:
+                secs[mode, stream][0].append(run_store(st, w, False, stream))
+                secs[mode, stream][1].append(run_store(st, w, True, stream))
+            finally:
+                st.close()
+        for (mode, _), (put, get) in secs.items():
+            out.setdefault(mode, []).extend([gbps(w.nbytes, min(put)), gbps(w.nbytes, min(get))])
         keys = [f"raw/{i}".encode() for i in range(w.n)]
         sizes = [w.value] * w.n
         put, get = [], []
@@ -145,6 +149,20 @@ def measure(address: str, conns: int, io_threads: int, w: Workload, repeat: int,
     finally:
         client.close()
     return out
+
+
+def memkv_bench(value: int, volume: int, threads: int, repeat: int) -> dict[str, float]:
+    """`memkv bench`'s row for `threads` client threads and values of `value` bytes (its own
+    in-process server): its loopback TCP ceiling over as many native connections, and memkv's
+    put / get from native threads."""
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "bench.json"
+        subprocess.run(memkv_command() + [
+            "bench", "--sizes", f"{value >> 10}K", "--threads", str(threads), "--volume",
+            f"{volume >> 20}M", "--repeat", str(repeat), "--json", str(out)],
+            check=True, capture_output=True, timeout=900)
+        row = json.loads(out.read_text())["rows"][0]
+    return {k: float(row[k]) for k in ("tcp", "put", "get")}
 
 
 def main() -> None:
@@ -186,6 +204,10 @@ def main() -> None:
                 new_over_old += [n / o for n, o in zip(r["new"], r["old"], strict=True)]
         print("new = completion queue (one harvester thread), old = a Python thread per "
               "operation in flight, raw = one blocking client call for the whole volume")
+        mb = memkv_bench(w.value, w.nbytes, a.ceiling_conns, max(3, repeat))
+        print(f"memkv bench, {a.ceiling_conns} native threads and connections, values of "
+              f"{w.value} B: TCP ceiling {mb['tcp']:.2f} GB/s, memkv put {mb['put']:.2f}, "
+              f"get {mb['get']:.2f}")
         if new_over_old:
             print(f"new / old over all rows and columns: min {min(new_over_old):.2f}, "
                   f"median {sorted(new_over_old)[len(new_over_old) // 2]:.2f}, "
