@@ -2,8 +2,8 @@
 8-connection loopback TCP ceiling, for each client setting.
 
 For every pair of `connections_per_server` (--conns) and `io_threads` (--io-threads) it starts a
-fresh client on one local `memkv serve` and measures, in GB/s (10^9 bytes/s) of value bytes, best
-of --repeat rounds:
+fresh client on one local `memkv serve` (--lanes 8) and measures, in GB/s (10^9 bytes/s) of
+value bytes, best of --repeat rounds:
   * new    — `BlockStore` over the native client's submitted operations and completion queue
              (one harvester thread; what the tier and direct mode run);
   * old    — the same store over the client's blocking calls, one Python I/O thread per
@@ -177,13 +177,14 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--ceiling-conns", type=int, default=8)
     p.add_argument("--modes", default="new,old", help="new, old or both")
+    p.add_argument("--lanes", type=int, default=8, help="memkv serve --lanes")
     a = p.parse_args()
     volume = parse_size("64M" if a.quick else a.volume)
     repeat = 1 if a.quick else a.repeat
     w = Workload(volume, parse_size(a.value), a.blocks)
     modes = a.modes.split(",")
     # Rounds overwrite the same keys: room for them twice over, and for the raw run's.
-    server = MemKVServer(memory=f"{(4 * w.nbytes >> 20) + 64}M").start()
+    server = MemKVServer(memory=f"{(4 * w.nbytes >> 20) + 64}M", lanes=a.lanes).start()
     try:
         print(f"{w.n} values of {w.value} B in jobs of {w.blocks} ({w.nbytes / 1e9:.2f} GB per "
               f"direction), best of {repeat}; GB/s and share of the row's TCP ceiling "
