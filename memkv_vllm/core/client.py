@@ -3,7 +3,10 @@
 Values move between the caller's memory and the sockets with no Python copy: torch tensors,
 numpy arrays and any buffer-protocol object are turned into (address, length) pairs, and the
 owning objects are kept alive until the native I/O that uses them is finished. Blocking calls
-release the GIL; ``submit_*`` calls run on native I/O threads and return an :class:`Op`.
+release the GIL; ``submit_*`` calls run on native I/O threads and return an :class:`Op`; given a
+completion queue (``completion_queue()``) and a tag, each also pushes its tag onto the queue once
+it completed, so one thread waits for many (``queue.wait(timeout)``, GIL released) and collects
+each Op with ``wait(0)``: the block store's path (`memkv_vllm.core.interface.AsyncBlockClient`).
 
 A server that is down, slow or misbehaving never raises here: its keys come back with a status
 that says what happened (``TIMEOUT``, ``REFUSED``, ``AUTH_FAILED``, ``PROTOCOL_ERROR``, or
