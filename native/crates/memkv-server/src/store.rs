@@ -296,6 +296,13 @@ mod tests {
         }
     }
 
+    fn items(s: &Store, t: TenantId) -> u64 {
+        s.usage
+            .slot(t)
+            .items
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     fn used(s: &Store, t: TenantId) -> u64 {
         s.usage
             .slot(t)
@@ -364,20 +371,8 @@ mod tests {
         for i in 4..3000 {
             assert_eq!(put_as(&s, 0, &format!("a/{i}"), 64 << 10), Status::Ok);
         }
-        assert_eq!(
-            s.usage
-                .slot(1)
-                .items
-                .load(std::sync::atomic::Ordering::Relaxed),
-            8000
-        );
-        assert_eq!(
-            s.usage
-                .slot(0)
-                .items
-                .load(std::sync::atomic::Ordering::Relaxed),
-            3
-        );
+        assert_eq!(items(&s, 1), 8000);
+        assert_eq!(items(&s, 0), 3);
     }
 
     #[test]
@@ -413,13 +408,7 @@ mod tests {
         assert_eq!(used(&s, 0), one);
         assert_eq!(s.delete(b"a/x"), Status::Ok);
         assert_eq!(used(&s, 0), 0);
-        assert_eq!(
-            s.usage
-                .slot(0)
-                .items
-                .load(std::sync::atomic::Ordering::Relaxed),
-            0
-        );
+        assert_eq!(items(&s, 0), 0);
     }
 
     #[test]
