@@ -33,8 +33,9 @@ def key(i: int) -> bytes:
     return f"disk/block/{i}".encode()
 
 
-def serve(disk: Path, memory: str = "32M", disk_size: str = "128M", extra: list[str] | None = None
-          ) -> MemKVServer:
+def serve(
+    disk: Path, memory: str = "32M", disk_size: str = "128M", extra: list[str] | None = None
+) -> MemKVServer:
     args = ["--disk", str(disk), "--disk-size", disk_size] + (extra or [])
     return MemKVServer(memory=memory, lanes=1, metrics=True, extra=args).start()
 
@@ -180,7 +181,8 @@ def test_a_restart_serves_the_blocks_it_had_on_disk(disk_dir: Path) -> None:
 
 
 def test_kill_9_mid_writes_loses_at_most_values_in_flight_and_serves_no_torn_one(
-        disk_dir: Path) -> None:
+    disk_dir: Path,
+) -> None:
     srv = serve(disk_dir)
     c = client(srv)
     stop = threading.Event()
@@ -226,8 +228,11 @@ def test_kill_9_mid_writes_loses_at_most_values_in_flight_and_serves_no_torn_one
 
 
 def scrape(srv: MemKVServer) -> dict[str, str]:
-    port = next(int(line.split(" metrics=127.0.0.1:")[1].split()[0])
-                for line in srv.log().splitlines() if " metrics=127.0.0.1:" in line)
+    port = next(
+        int(line.split(" metrics=127.0.0.1:")[1].split()[0])
+        for line in srv.log().splitlines()
+        if " metrics=127.0.0.1:" in line
+    )
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return dict(line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")
 
@@ -240,8 +245,9 @@ def test_the_stats_and_metrics_show_each_tier(disk_dir: Path) -> None:
         settled(srv)
         read_back(c, 64)
         tiers = srv.stats()["tiers"]
+        want = {"bytes", "items", "hits", "spills", "promotions", "read_bytes"}
         for t in ("dram", "disk"):
-            assert {"bytes", "items", "hits", "spills", "promotions", "read_bytes"} <= tiers[t].keys()
+            assert want <= tiers[t].keys()
         assert tiers["dram"]["hits"] > 0 and tiers["disk"]["hits"] > 0
         assert tiers["disk"]["read_gbps"] > 0
         m = scrape(srv)
