@@ -1,6 +1,6 @@
 //! The index rebuilt from the segments at start: each directory is scanned by a thread of its
 //! own, newest segment first, reading only the records' headers (one block each, for values of
-//! up to about 127 MiB under a short key). The newest record of a key wins; a tombstone kills
+//! up to about 125 MiB under a short key). The newest record of a key wins; a tombstone kills
 //! the older ones. A record cut short (a `kill -9` or a crash in the middle of its write) or a
 //! header that does not match its checksum ends its segment: the file is cut there. A value
 //! whose bytes were torn under a valid header is caught by its chunk checksums at its first
