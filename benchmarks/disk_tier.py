@@ -32,7 +32,6 @@ import mmap
 import os
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -40,8 +39,10 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from memkv_procs import MemKVServer  # noqa: E402
+from vs_peers import run_threads  # noqa: E402
 
 from memkv_vllm.core.client import MemKVClient, Status  # noqa: E402
 from memkv_vllm.core.config import MemKVConfig  # noqa: E402
@@ -52,30 +53,6 @@ BLOCK = 4096
 
 def key(i: int) -> bytes:
     return f"bench/disk/{i}".encode()
-
-
-def in_threads(n: int, work) -> float:
-    """Runs work(t) on n threads at once; the wall time of the slowest."""
-    start = threading.Barrier(n + 1)
-    errors: list[BaseException] = []
-
-    def run(t: int) -> None:
-        start.wait()
-        try:
-            work(t)
-        except BaseException as e:  # noqa: BLE001 - reported after the join
-            errors.append(e)
-
-    ts = [threading.Thread(target=run, args=(t,)) for t in range(n)]
-    for t in ts:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in ts:
-        t.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - t0
 
 
 def gets(srv: MemKVServer, keys: list[int], size: int, threads: int) -> tuple[float, int]:
@@ -90,7 +67,7 @@ def gets(srv: MemKVServer, keys: list[int], size: int, threads: int) -> tuple[fl
             if clients[t].get_into([key(i)], [bufs[t]]) == [Status.OK]:
                 hits[t] += 1
 
-    took = in_threads(threads, work)
+    took = run_threads(threads, work)
     for c in clients:
         c.close()
     return sum(hits) * size / took / 1e9, sum(hits)
@@ -118,7 +95,7 @@ def raw_ceiling(files: list[Path], size: int, threads: int) -> float:
                 os.close(fd)
             buf.close()
 
-    took = in_threads(threads, work)
+    took = run_threads(threads, work)
     return sum(done) / took / 1e9
 
 
