@@ -224,7 +224,8 @@ impl DiskTier {
     /// The directory for a spill of `key`: its hash's, or the next one not degraded.
     fn dir_for(&self, key: &[u8]) -> Option<u16> {
         let n = self.dirs.len();
-        let h = twox_hash::XxHash3_64::oneshot(key) as usize;
+        // Seeded apart from the lanes' hash, so that a lane's keys spread over every directory.
+        let h = twox_hash::XxHash3_64::oneshot_with_seed(0x7370_696c_6c, key) as usize;
         (0..n)
             .map(|i| (h + i) % n)
             .find(|&d| !self.dirs[d].degraded())

@@ -177,7 +177,8 @@ fn scan_dir(dir: &Path, deadline: Instant) -> Scanned {
                 sc.found.len()
             );
         }
-        match open_segment(&path, true) {
+        // Writable to cut a torn tail; a read-only filesystem still gives its records.
+        match open_segment(&path, true).or_else(|_| open_segment(&path, false)) {
             Ok((file, _)) => scan_segment(id, file, &path, &mut sc),
             Err(e) => tracing::error!(
                 segment = %path.display(),
