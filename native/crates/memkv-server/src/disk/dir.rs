@@ -187,7 +187,7 @@ impl Writer {
     ) {
         let shared = self.shared.clone();
         let st = &shared.stats;
-        st.queued_bytes.fetch_sub(rec.len(), Relaxed);
+        let queued = rec.len();
         let charge = disk_index_charge(key.len(), checksums.len());
         let placed = match self.degraded.load(Relaxed) {
             true => Err("degraded"),
@@ -222,6 +222,8 @@ impl Writer {
                 st.drop_spill(reason);
             }
         }
+        // Counted out only now, so that an empty queue means every spill so far is indexed.
+        st.queued_bytes.fetch_sub(queued, Relaxed);
     }
 
     fn tombstone(&mut self, key: &[u8], seq: u64) {
