@@ -225,7 +225,7 @@ impl DiskTier {
     fn dir_for(&self, key: &[u8]) -> Option<u16> {
         let n = self.dirs.len();
         // Seeded apart from the lanes' hash, so that a lane's keys spread over every directory.
-        let h = twox_hash::XxHash3_64::oneshot_with_seed(0x7370_696c_6c, key) as usize;
+        let h = twox_hash::XxHash3_64::oneshot_with_seed(0x0073_7069_6c6c, key) as usize;
         (0..n)
             .map(|i| (h + i) % n)
             .find(|&d| !self.dirs[d].degraded())
