@@ -149,6 +149,10 @@ def tier_config(args: argparse.Namespace, server: str, prefix: str, fs_root: str
     kv = kv_transfer_config(server, prefix, int(args.cpu_gib * (1 << 30)))
     extra = kv["kv_connector_extra_config"]
     for tier in extra["secondary_tiers"]:
+        # The writer stores every prompt at once (7.6 GB at 2K-32K): with the default 2 GiB
+        # backlog the tier sheds the rest, as it should under load, and the readers would miss.
+        # The stores only reference pool blocks, so the pool itself bounds them here.
+        tier["max_store_backlog_mb"] = int(args.cpu_gib * 1024)
         if transport:
             tier["transport"] = transport
         if args.connections:
