@@ -64,7 +64,7 @@ def test_defaults() -> None:
     assert c.auth_key is None
     assert c.transport == "tcp"
     assert c.rdma_devices == ()
-    assert c.connections_per_server == 2
+    assert c.connections_per_server == 8
     assert c.connect_timeout_s == 1.0
     assert c.op_timeout_s == 10.0
     assert c.io_threads == 8
