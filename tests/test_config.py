@@ -527,7 +527,7 @@ def test_describe_is_one_line_with_every_setting() -> None:
     assert "servers=a:1,[::1]:2" in line
     assert "transport=tcp" in line
     assert "rdma_devices" not in line  # irrelevant for tcp
-    assert "connections_per_server=2" in line
+    assert "connections_per_server=8" in line
     assert "connect_timeout_s=1" in line
     assert "op_timeout_s=10" in line
     assert "io_threads=3" in line
