@@ -125,7 +125,7 @@ impl Default for ClientConfig {
         ClientConfig {
             servers: vec!["127.0.0.1:7390".into()],
             auth_key: None,
-            connections_per_server: 2,
+            connections_per_server: 8,
             connect_timeout: Duration::from_secs(1),
             op_timeout: Duration::from_secs(10),
             io_threads: 8,
