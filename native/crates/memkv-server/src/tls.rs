@@ -1,0 +1,199 @@
+//! The byte stream of a TCP connection under TLS 1.3 (`--tls-cert`): rustls over the blocking
+//! socket of `TcpTransport`, with the same waits. The handshake runs inside the first reads, on
+//! the connection's own thread, so it is bounded like any handshake frame: by the handshake
+//! timeout, and by the connection slots that give way to new connections before authentication
+//! (`limits::ConnLimits`).
+//!
+//! A peer whose first byte is not a TLS record is a plaintext memkv client: it gets a memkv
+//! error frame saying the server wants TLS (which it can read, unlike an alert), and the
+//! connection closes.
+
+use std::io::{self, IoSlice, Read, Write};
+use std::time::{Duration, Instant};
+
+use memkv_proto::{self as proto, ErrorCode, Opcode, HEADER_LEN};
+use memkv_tls::rustls::ServerConnection;
+use memkv_tls::PeerIdentity;
+
+use crate::limits::Closer;
+use crate::transport::{TcpTransport, Transport};
+
+/// What a plaintext client is told.
+pub const PLAINTEXT_REFUSED: &str = "this server requires TLS: configure the client's tls \
+     section (MEMKV_TLS_CA, the CA that signed the server's certificate)";
+
+/// A connection ended by TLS itself (a failed handshake, a bad record, a plaintext peer); the
+/// connection counts it as a `tls` error.
+#[derive(Debug)]
+pub struct TlsFailure(pub String);
+
+impl std::fmt::Display for TlsFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for TlsFailure {}
+
+fn failure(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, TlsFailure(msg))
+}
+
+/// Whether `e` is a `TlsFailure`.
+pub fn is_tls_failure(e: &io::Error) -> bool {
+    e.get_ref().is_some_and(|i| i.is::<TlsFailure>())
+}
+
+pub struct TlsTransport {
+    tcp: TcpTransport,
+    tls: ServerConnection,
+    /// The first byte was seen to open a TLS record.
+    checked: bool,
+    identity: Option<PeerIdentity>,
+}
+
+/// The socket as `Read`/`Write` for rustls, each call waiting at most `wait`.
+struct Timed<'a> {
+    tcp: &'a mut TcpTransport,
+    wait: Duration,
+}
+
+impl Read for Timed<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.tcp.read(buf, self.wait)
+    }
+}
+
+impl Write for Timed<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.tcp.write_vectored(&[IoSlice::new(buf)], self.wait)
+    }
+
+    fn write_vectored(&mut self, parts: &[IoSlice<'_>]) -> io::Result<usize> {
+        self.tcp.write_vectored(parts, self.wait)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Time left until `until`, at least a millisecond (one more look at the socket).
+fn left(until: Instant) -> Duration {
+    until
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
+}
+
+impl TlsTransport {
+    pub fn new(tcp: TcpTransport, tls: ServerConnection) -> TlsTransport {
+        TlsTransport {
+            tcp,
+            tls,
+            checked: false,
+            identity: None,
+        }
+    }
+
+    /// Sends the TLS records rustls has queued, until `until`; an error of kind WouldBlock or
+    /// TimedOut when they did not all go out by then.
+    fn flush_until(&mut self, until: Instant) -> io::Result<()> {
+        while self.tls.wants_write() {
+            let wait = left(until);
+            self.tls.write_tls(&mut Timed {
+                tcp: &mut self.tcp,
+                wait,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Looks at the first byte; a plaintext peer is answered with a memkv error frame.
+    fn check_first_byte(&mut self, wait: Duration) -> io::Result<()> {
+        let mut first = [0u8; 1];
+        if self.tcp.peek(&mut first, wait)? == 0 {
+            return Ok(()); // end of stream: the read after this sees it
+        }
+        if first[0] == memkv_tls::HANDSHAKE_RECORD {
+            self.checked = true;
+            return Ok(());
+        }
+        // Take the frame header the client sent, so that closing with unread bytes does not
+        // reset the connection before the client read our answer.
+        let _ = self
+            .tcp
+            .read(&mut [0u8; HEADER_LEN], Duration::from_millis(10));
+        let body = proto::encode_error(ErrorCode::Unauthenticated, PLAINTEXT_REFUSED);
+        let hdr = proto::Header::new(Opcode::Error, 0, body.len(), 0).encode();
+        let parts = [IoSlice::new(&hdr), IoSlice::new(&body)];
+        let _ = self.tcp.write_vectored(&parts, Duration::from_millis(100));
+        Err(failure("a plaintext client on the TLS listener".into()))
+    }
+}
+
+impl Transport for TlsTransport {
+    fn read(&mut self, buf: &mut [u8], wait: Duration) -> io::Result<usize> {
+        let until = Instant::now() + wait;
+        loop {
+            match self.tls.reader().read(buf) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                r => return r,
+            }
+            // Handshake messages, and a reply's last records a write could not send in time.
+            self.flush_until(until)?;
+            if !self.checked {
+                self.check_first_byte(left(until))?;
+            }
+            let n = self.tls.read_tls(&mut Timed {
+                tcp: &mut self.tcp,
+                wait: left(until),
+            })?;
+            if n == 0 {
+                return Ok(0);
+            }
+            if let Err(e) = self.tls.process_new_packets() {
+                // rustls queued an alert telling the peer why; it gets a moment to go out.
+                let _ = self.flush_until(Instant::now() + Duration::from_millis(100));
+                return Err(failure(format!("TLS: {e}")));
+            }
+            if self.identity.is_none() && !self.tls.is_handshaking() {
+                self.identity = self
+                    .tls
+                    .peer_certificates()
+                    .and_then(|c| c.first())
+                    .and_then(|c| PeerIdentity::from_der(c));
+            }
+            if Instant::now() >= until {
+                // Records arrived but none completed plaintext: nothing came in time.
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+        }
+    }
+
+    /// Takes what rustls accepts of `parts` (up to its buffer limit) once the records of earlier
+    /// writes went out, then sends as much as `wait` allows; what is left goes out with the next
+    /// write or read.
+    fn write_vectored(&mut self, parts: &[IoSlice<'_>], wait: Duration) -> io::Result<usize> {
+        let until = Instant::now() + wait;
+        self.flush_until(until)?;
+        let n = self.tls.writer().write_vectored(parts)?;
+        match self.flush_until(until) {
+            Err(e) if !matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                Err(e)
+            }
+            _ => Ok(n),
+        }
+    }
+
+    fn peer(&self) -> String {
+        self.tcp.peer()
+    }
+
+    fn closer(&self) -> io::Result<Closer> {
+        self.tcp.closer()
+    }
+
+    fn peer_identity(&self) -> Option<&PeerIdentity> {
+        self.identity.as_ref()
+    }
+}
