@@ -285,7 +285,10 @@ fn start_tls(cfg: &mut ServerConfig) -> io::Result<Option<Arc<ServerTls>>> {
         return Ok(None);
     };
     let tls = ServerTls::new(files).map_err(|e| {
-        io::Error::new(io::ErrorKind::InvalidInput, format!("--tls-cert/--tls-key: {e}"))
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("--tls-cert/--tls-key: {e}"),
+        )
     })?;
     if cfg.rdma.is_some() && !cfg.tls_allow_rdma {
         return Err(io::Error::new(

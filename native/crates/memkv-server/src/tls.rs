@@ -178,7 +178,12 @@ impl Transport for TlsTransport {
         self.flush_until(until)?;
         let n = self.tls.writer().write_vectored(parts)?;
         match self.flush_until(until) {
-            Err(e) if !matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            Err(e)
+                if !matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
                 Err(e)
             }
             _ => Ok(n),

@@ -56,13 +56,8 @@ fn roots(path: &Path) -> Result<RootCertStore, String> {
 
 /// A certificate chain and its key, checked to belong together.
 fn certified_key(cert: &Path, key_file: &Path) -> Result<Arc<CertifiedKey>, String> {
-    let ck = CertifiedKey::from_der(certs(cert)?, key(key_file)?, &provider()).map_err(|e| {
-        format!(
-            "{} with key {}: {e}",
-            cert.display(),
-            key_file.display()
-        )
-    })?;
+    let ck = CertifiedKey::from_der(certs(cert)?, key(key_file)?, &provider())
+        .map_err(|e| format!("{} with key {}: {e}", cert.display(), key_file.display()))?;
     Ok(Arc::new(ck))
 }
 
@@ -186,7 +181,9 @@ impl ClientTls {
                 .with_client_auth_cert(certs(cert)?, key(key_file)?)
                 .map_err(|e| format!("{} with key {}: {e}", cert.display(), key_file.display()))?,
             (None, None) => builder.with_no_client_auth(),
-            _ => return Err("a client certificate needs its key, and a key its certificate".into()),
+            _ => {
+                return Err("a client certificate needs its key, and a key its certificate".into())
+            }
         };
         Ok(ClientTls {
             config: Arc::new(config),

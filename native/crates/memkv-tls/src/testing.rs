@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rcgen::{
     BasicConstraints, Certificate, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa,
-    KeyPair, KeyUsagePurpose,
+    KeyPair, KeyUsagePurpose, SanType,
 };
 
 /// A test CA and the directory its files are written to.
@@ -53,12 +53,17 @@ impl Pki {
     }
 
     /// A leaf certificate for `cn` with subject alternative names `sans` (IP addresses where
-    /// they parse as one), usable by servers and clients, written as `NAME.pem` and
+    /// they parse as one, URIs where they hold `://`), usable by servers and clients, written as `NAME.pem` and
     /// `NAME.key`; `expired`: its validity ended in 2021.
     pub fn issue(&self, name: &str, cn: &str, sans: &[&str], expired: bool) -> Issued {
         let key = KeyPair::generate().unwrap();
-        let sans: Vec<String> = sans.iter().map(|s| s.to_string()).collect();
-        let mut p = CertificateParams::new(sans).unwrap();
+        let (uris, names): (Vec<&str>, Vec<&str>) = sans.iter().partition(|s| s.contains("://"));
+        let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+        let mut p = CertificateParams::new(names).unwrap();
+        for u in uris {
+            p.subject_alt_names
+                .push(SanType::URI(u.try_into().unwrap()));
+        }
         p.distinguished_name.push(DnType::CommonName, cn);
         p.distinguished_name
             .push(DnType::OrganizationName, "memkv tests");

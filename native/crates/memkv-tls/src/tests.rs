@@ -13,7 +13,12 @@ fn server_files(pki: &Pki, client_ca: bool) -> ServerTlsFiles {
 #[test]
 fn a_client_certificate_names_its_subject_and_alternative_names() {
     let pki = Pki::new();
-    let c = pki.issue("c", "engine-a", &["engine-a.example", "spiffe://t/a"], false);
+    let c = pki.issue(
+        "c",
+        "engine-a",
+        &["engine-a.example", "spiffe://t/a"],
+        false,
+    );
     let der = CertificateDer::from_pem_file(&c.cert).unwrap();
     let id = PeerIdentity::from_der(&der).unwrap();
     assert_eq!(id.subject, "CN=engine-a, O=memkv tests");
