@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use memkv_client::{Buf, Client, ClientConfig, Status, TransportChoice};
 use memkv_server::{Server, ServerConfig};
-use memkv_tls::testing::{Issued, Pki};
+use memkv_tls::ephemeral::{Issued, Pki};
 use memkv_tls::{ClientTlsFiles, ServerTlsFiles};
 
 /// Well under the operation timeout of every client here (10 s): a refusal must come this fast.

@@ -237,7 +237,7 @@ impl PeerIdentity {
     }
 }
 
-#[cfg(any(test, feature = "testing"))]
-pub mod testing;
+#[cfg(any(test, feature = "ephemeral"))]
+pub mod ephemeral;
 #[cfg(test)]
 mod tests;

@@ -1,4 +1,4 @@
-use super::testing::Pki;
+use super::ephemeral::Pki;
 use super::*;
 
 fn server_files(pki: &Pki, client_ca: bool) -> ServerTlsFiles {

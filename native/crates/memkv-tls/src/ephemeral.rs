@@ -1,5 +1,6 @@
-//! Certificates made on the spot for tests: a CA per `Pki`, leaf certificates it signs (valid
-//! or already expired), written as PEM files into a directory removed on drop.
+//! Certificates made on the spot, for tests and the bench's in-process TLS server: a CA per
+//! `Pki`, leaf certificates it signs (valid or already expired), written as PEM files into a
+//! directory removed on drop. Certificates for real deployments come from the operator.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,7 +29,7 @@ impl Pki {
     pub fn new() -> Pki {
         static N: AtomicU64 = AtomicU64::new(0);
         let dir = std::env::temp_dir().join(format!(
-            "memkv-tls-test-{}-{}",
+            "memkv-tls-{}-{}",
             std::process::id(),
             N.fetch_add(1, Ordering::Relaxed)
         ));
