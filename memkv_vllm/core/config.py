@@ -36,6 +36,7 @@ __all__ = [
     "CONFIG_ENV",
     "CONFIG_KEYS",
     "DEFAULT_PORT",
+    "OVERRIDE_KEYS",
     "ENV_PREFIX",
     "ConfigError",
     "MemKVConfig",
@@ -399,6 +400,10 @@ def _tls_problem(c: Any) -> tuple[str, str] | None:
 CONFIG_KEYS: frozenset[str] = frozenset(
     a.name for a in attrs.fields(MemKVConfig) if a.name != "sources"
 )
+
+
+# What `overrides` (a tier's or spec's config) may hold: the settings, and the `tls:` section.
+OVERRIDE_KEYS: frozenset[str] = CONFIG_KEYS | {"tls"}
 
 
 def env_name(key: str) -> str:

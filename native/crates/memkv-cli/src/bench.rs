@@ -657,9 +657,11 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         tls: a.tls_args.clone(),
     };
     if a.tls && a.servers.is_some() {
-        return Err("--tls compares an in-process TLS server with the in-process plaintext one; \
+        return Err(
+            "--tls compares an in-process TLS server with the in-process plaintext one; \
              leave out --servers (to measure servers of your own over TLS, give --tls-ca)"
-            .into());
+                .into(),
+        );
     }
     let tls_bench = a
         .tls

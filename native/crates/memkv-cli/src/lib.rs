@@ -434,7 +434,9 @@ fn serve(a: ServeArgs) -> Result<i32, String> {
         if reload.swap(false, Ordering::Relaxed) {
             match server.reload_tls() {
                 Ok(()) => tracing::info!("SIGHUP: TLS certificate and key reloaded"),
-                Err(e) => tracing::warn!(error = %e, "SIGHUP: TLS reload failed; the certificate in use stays"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "SIGHUP: TLS reload failed; the certificate in use stays")
+                }
             }
         }
     }
