@@ -12,7 +12,7 @@ use std::net::TcpStream;
 use std::time::Instant;
 
 use memkv_tls::rustls::{self, AlertDescription, CertificateError, ClientConnection, StreamOwned};
-use memkv_tls::ClientTls;
+use memkv_tls::{ClientTls, ReadAhead};
 
 use crate::transport::{Link, StreamLink};
 
@@ -90,9 +90,36 @@ fn plaintext_server(addr: &str) -> io::Error {
     ))
 }
 
+/// The socket beneath rustls: reads through a read-ahead buffer (rustls asks for 4 KiB a call).
+pub(crate) struct Socket {
+    link: StreamLink<TcpStream>,
+    ahead: ReadAhead,
+}
+
+impl Read for Socket {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let link = &mut self.link;
+        self.ahead.read(buf, |b| link.read(b))
+    }
+}
+
+impl Write for Socket {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.link.write(buf)
+    }
+
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.link.write_vectored(bufs)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
 /// A TCP link under TLS.
 pub(crate) struct TlsLink {
-    s: StreamOwned<ClientConnection, StreamLink<TcpStream>>,
+    s: StreamOwned<ClientConnection, Socket>,
     addr: String,
 }
 
@@ -107,12 +134,18 @@ impl TlsLink {
         let conn = tls
             .connection(host)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("tls: {e}")))?;
-        let mut s = StreamOwned::new(conn, tcp);
+        let mut s = StreamOwned::new(
+            conn,
+            Socket {
+                link: tcp,
+                ahead: ReadAhead::default(),
+            },
+        );
         while s.conn.wants_write() {
             s.conn.write_tls(&mut s.sock)?;
         }
         let mut first = [0u8; 1];
-        match s.sock.peek(&mut first) {
+        match s.sock.link.peek(&mut first) {
             Ok(1) if first[0] == memkv_proto::MAGIC[0] => return Err(plaintext_server(addr)),
             Ok(_) => {}
             // A plaintext server that closed on our ClientHello before we looked.
@@ -133,16 +166,19 @@ impl TlsLink {
     }
 
     pub(crate) fn stream(&self) -> &TcpStream {
-        self.s.sock.stream()
+        self.s.sock.link.stream()
     }
 
     pub(crate) fn deadline(&self) -> Instant {
-        self.s.sock.deadline()
+        self.s.sock.link.deadline()
     }
 
     /// Whether a read would find bytes without waiting on the socket (decrypted, or a whole
     /// record rustls holds).
     pub(crate) fn buffered(&mut self) -> bool {
+        if self.s.sock.ahead.pending() {
+            return true;
+        }
         // process_new_packets only decrypts what read_tls already took in; on an error the
         // read goes ahead and returns it.
         self.s
@@ -176,6 +212,6 @@ impl Write for TlsLink {
 
 impl Link for TlsLink {
     fn set_deadline(&mut self, deadline: Instant) {
-        self.s.sock.set_deadline(deadline);
+        self.s.sock.link.set_deadline(deadline);
     }
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use memkv_proto::{self as proto, ErrorCode, Opcode, HEADER_LEN};
 use memkv_tls::rustls::ServerConnection;
-use memkv_tls::PeerIdentity;
+use memkv_tls::{PeerIdentity, ReadAhead};
 
 use crate::limits::Closer;
 use crate::transport::{TcpTransport, Transport};
@@ -47,21 +47,17 @@ pub fn is_tls_failure(e: &io::Error) -> bool {
 pub struct TlsTransport {
     tcp: TcpTransport,
     tls: ServerConnection,
+    /// Used from the end of the handshake on (a peer that never finishes it costs no buffer).
+    ahead: ReadAhead,
     /// The first byte was seen to open a TLS record.
     checked: bool,
     identity: Option<PeerIdentity>,
 }
 
-/// The socket as `Read`/`Write` for rustls, each call waiting at most `wait`.
+/// The socket as `Write` for rustls, each call waiting at most `wait`.
 struct Timed<'a> {
     tcp: &'a mut TcpTransport,
     wait: Duration,
-}
-
-impl Read for Timed<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.tcp.read(buf, self.wait)
-    }
 }
 
 impl Write for Timed<'_> {
@@ -78,6 +74,25 @@ impl Write for Timed<'_> {
     }
 }
 
+/// The socket as `Read` for rustls's records, through the read-ahead buffer once the handshake
+/// is done.
+struct Records<'a> {
+    tcp: &'a mut TcpTransport,
+    ahead: &'a mut ReadAhead,
+    wait: Duration,
+    handshaking: bool,
+}
+
+impl Read for Records<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.handshaking && !self.ahead.pending() {
+            return self.tcp.read(buf, self.wait);
+        }
+        let (tcp, wait) = (&mut *self.tcp, self.wait);
+        self.ahead.read(buf, |b| tcp.read(b, wait))
+    }
+}
+
 /// Time left until `until`, at least a millisecond (one more look at the socket).
 fn left(until: Instant) -> Duration {
     until
@@ -90,6 +105,7 @@ impl TlsTransport {
         TlsTransport {
             tcp,
             tls,
+            ahead: ReadAhead::default(),
             checked: false,
             identity: None,
         }
@@ -144,9 +160,12 @@ impl Transport for TlsTransport {
             if !self.checked {
                 self.check_first_byte(left(until))?;
             }
-            let n = self.tls.read_tls(&mut Timed {
+            let handshaking = self.tls.is_handshaking();
+            let n = self.tls.read_tls(&mut Records {
                 tcp: &mut self.tcp,
+                ahead: &mut self.ahead,
                 wait: left(until),
+                handshaking,
             })?;
             if n == 0 {
                 return Ok(0);

@@ -19,6 +19,9 @@ use rustls::{ClientConfig, ClientConnection, RootCertStore, ServerConfig, Server
 
 pub use rustls;
 
+mod read_ahead;
+pub use read_ahead::{ReadAhead, READ_AHEAD};
+
 /// The first byte of every TLS record that opens a connection (a handshake record holding the
 /// ClientHello). memkv's own frames start with `b'M'` (`memkv_proto::MAGIC`), so one byte tells
 /// a TLS client from a plaintext one.
