@@ -263,14 +263,20 @@ def test_eviction_turns_a_hit_into_a_miss_at_load_never_into_bytes(flavor: str) 
         r.stop()
 
 
-def test_tls_settings_reach_the_connection(tmp_path: Path, flavor: str) -> None:
-    """rediss:// plus redis_tls_ca: a TLS-only server answers; without the CA it cannot."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
+def _self_signed(tmp_path: Path) -> tuple[str, str]:
+    """(certificate, key) of a self-signed certificate for 127.0.0.1: a TLS server's own CA."""
     cert, key = str(tmp_path / "c.pem"), str(tmp_path / "k.pem")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
                     "-out", cert, "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
                     "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return cert, key
+
+
+def test_tls_settings_reach_the_connection(tmp_path: Path, flavor: str) -> None:
+    """rediss:// plus redis_tls_ca: a TLS-only server answers; without the CA it cannot."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    cert, key = _self_signed(tmp_path)
     r = RedisStandalone(tls=(cert, key), flavor=flavor)
     try:
         good = client_for(r.urls, redis_tls_ca=cert)
@@ -348,10 +354,7 @@ def test_one_acl_user_per_tenant_over_tls_confines_it_to_its_prefix(tmp_path: Pa
         pytest.skip("openssl not installed")
     doc = (Path(__file__).resolve().parent.parent / "docs/redis.md").read_text()
     assert "ACL SETUSER team-a " + TENANT_ACL.format(name="team-a") in doc
-    cert, key = str(tmp_path / "c.pem"), str(tmp_path / "k.pem")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
-                    "-out", cert, "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
-                    "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    cert, key = _self_signed(tmp_path)
     r = RedisStandalone(tls=(cert, key), flavor=flavor)
     try:
         for name in ("team-a", "team-b"):

@@ -206,16 +206,7 @@ def _tls_server(factory, tmp_path: Path, *extra: str):
 
 
 def _tls_round_trip_s(srv, pki: Pki) -> float:
-    t = time.monotonic()
-    c = MemKVClient(MemKVConfig(servers=(srv.address,), op_timeout_s=5.0,
-                                auth_key=bytes.fromhex(KEY), tls_ca=str(pki.ca)))
-    try:
-        assert c.put([b"probe"], [b"p" * 100]) == [Status.OK]
-        d = bytearray(100)
-        assert c.get_into([b"probe"], [d]) == [Status.OK] and d == b"p" * 100
-    finally:
-        c.close()
-    return time.monotonic() - t
+    return round_trip_s(srv, tls_ca=str(pki.ca))
 
 
 def _client_hello(pki: Pki) -> bytes:

@@ -12,30 +12,14 @@ use std::net::TcpStream;
 use std::time::Instant;
 
 use memkv_tls::rustls::{self, AlertDescription, CertificateError, ClientConnection, StreamOwned};
-use memkv_tls::{ClientTls, ReadAhead};
+use memkv_tls::{ClientTls, ReadAhead, TlsError};
 
 use crate::transport::{Link, StreamLink};
 
-/// A link that failed for a reason of TLS itself; its keys get `Status::AuthFailed` (the
-/// server is fine, the settings do not fit it).
-#[derive(Debug)]
-pub struct TlsError(pub String);
-
-impl std::fmt::Display for TlsError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for TlsError {}
-
+/// A link that failed for a reason of TLS itself: its keys get `Status::AuthFailed` (the server
+/// is fine, the settings do not fit it).
 fn tls_error(msg: String) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, TlsError(msg))
-}
-
-/// Whether `e` is a `TlsError`.
-pub fn is_tls_error(e: &io::Error) -> bool {
-    e.get_ref().is_some_and(|i| i.is::<TlsError>())
+    TlsError::io(msg)
 }
 
 /// rustls's error `e` on the link to `addr`, told as the setting that fixes it; other I/O errors

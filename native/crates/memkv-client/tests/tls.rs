@@ -6,10 +6,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use memkv_client::{Buf, Client, ClientConfig, Status, TransportChoice};
+use memkv_client::{Client, ClientConfig, Status, TransportChoice};
 use memkv_server::{Server, ServerConfig};
 use memkv_tls::ephemeral::{Issued, Pki};
 use memkv_tls::{ClientTlsFiles, ServerTlsFiles};
+
+mod common;
+use common::{get, put};
 
 /// Well under the operation timeout of every client here (10 s): a refusal must come this fast.
 const FAST: Duration = Duration::from_secs(2);
@@ -52,19 +55,6 @@ fn client(s: &Server, tls: Option<ClientTlsFiles>) -> Arc<Client> {
         ..ClientConfig::default()
     })
     .unwrap()
-}
-
-fn put(c: &Client, key: &[u8], val: &[u8]) -> Status {
-    // SAFETY: `val` outlives the blocking call.
-    unsafe { c.put(&[key.to_vec()], &[Buf::of(val)])[0] }
-}
-
-fn get(c: &Client, key: &[u8], len: usize) -> (Status, Vec<u8>) {
-    let mut v = vec![0u8; len];
-    let b = Buf::of_mut(&mut v);
-    // SAFETY: `v` outlives the blocking call and is not touched meanwhile.
-    let s = unsafe { c.get(&[key.to_vec()], &[b])[0] };
-    (s, v)
 }
 
 fn round_trip(c: &Client) {

@@ -119,7 +119,7 @@ pub fn serve<T: Transport>(t: T, ctx: &ConnCtx, permit: Permit) {
     let m = &ctx.store.metrics;
     let (code, msg, kind) = match c.run() {
         End::Closed => return,
-        End::Io(e) if crate::tls::is_tls_failure(&e) => {
+        End::Io(e) if memkv_tls::TlsError::is(&e) => {
             m.error("tls");
             if let Some(dropped) = ctx.warn.allow() {
                 tracing::warn!(%peer, error = %e, dropped_warnings = dropped, "TLS refused");

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use memkv_proto::{self as proto, ErrorCode, Opcode, HEADER_LEN};
 use memkv_tls::rustls::ServerConnection;
-use memkv_tls::{PeerIdentity, ReadAhead};
+use memkv_tls::{PeerIdentity, ReadAhead, TlsError};
 
 use crate::limits::Closer;
 use crate::transport::{TcpTransport, Transport};
@@ -22,26 +22,10 @@ use crate::transport::{TcpTransport, Transport};
 pub const PLAINTEXT_REFUSED: &str = "this server requires TLS: configure the client's tls \
      section (MEMKV_TLS_CA, the CA that signed the server's certificate)";
 
-/// A connection ended by TLS itself (a failed handshake, a bad record, a plaintext peer); the
+/// A connection ended by TLS itself (a failed handshake, a bad record, a plaintext peer): the
 /// connection counts it as a `tls` error.
-#[derive(Debug)]
-pub struct TlsFailure(pub String);
-
-impl std::fmt::Display for TlsFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for TlsFailure {}
-
 fn failure(msg: String) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, TlsFailure(msg))
-}
-
-/// Whether `e` is a `TlsFailure`.
-pub fn is_tls_failure(e: &io::Error) -> bool {
-    e.get_ref().is_some_and(|i| i.is::<TlsFailure>())
+    TlsError::io(msg)
 }
 
 pub struct TlsTransport {
@@ -219,5 +203,71 @@ impl Transport for TlsTransport {
 
     fn peer_identity(&self) -> Option<&PeerIdentity> {
         self.identity.as_ref()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use memkv_tls::ephemeral::Pki;
+    use memkv_tls::{ClientTls, ClientTlsFiles, ServerTls, ServerTlsFiles};
+    use std::net::{TcpListener, TcpStream};
+
+    #[test]
+    fn the_verified_client_certificate_names_the_peer_after_the_handshake() {
+        let pki = Pki::new();
+        let (server_cert, client_cert) = (pki.server("s"), pki.issue("c", "engine-a", &[], false));
+        let tls = ServerTls::new(&ServerTlsFiles {
+            cert: server_cert.cert,
+            key: server_cert.key,
+            client_ca: Some(pki.ca()),
+        })
+        .unwrap();
+        let client = ClientTls::new(&ClientTlsFiles {
+            ca: pki.ca(),
+            server_name: None,
+            cert: Some(client_cert.cert),
+            key: Some(client_cert.key),
+        })
+        .unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let peer = std::thread::spawn(move || {
+            let conn = client.connection("127.0.0.1").unwrap();
+            let mut s =
+                memkv_tls::rustls::StreamOwned::new(conn, TcpStream::connect(addr).unwrap());
+            s.write_all(b"hello").unwrap();
+            s.flush().unwrap();
+            let mut end = [0u8; 1];
+            let _ = s.read(&mut end); // until the server closes
+        });
+        let (stream, _) = l.accept().unwrap();
+        let mut t = TlsTransport::new(
+            TcpTransport::new(stream).unwrap(),
+            tls.connection().unwrap(),
+        );
+        assert!(
+            t.peer_identity().is_none(),
+            "nothing is known before the handshake"
+        );
+        let mut got = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while got.len() < 5 && Instant::now() < deadline {
+            let mut buf = [0u8; 16];
+            match t.read(&mut buf, Duration::from_millis(200)) {
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(got, b"hello");
+        let id = t.peer_identity().expect("the handshake is done");
+        assert_eq!(id.subject, "CN=engine-a, O=memkv tests");
+        drop(t);
+        peer.join().unwrap();
     }
 }

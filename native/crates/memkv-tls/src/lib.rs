@@ -27,6 +27,31 @@ pub use read_ahead::{ReadAhead, READ_AHEAD};
 /// a TLS client from a plaintext one.
 pub const HANDSHAKE_RECORD: u8 = 0x16;
 
+/// A connection that failed for a reason of TLS itself (a failed handshake, a bad record, a
+/// peer that speaks no TLS), carried inside an `io::Error` so transports can tell it apart.
+#[derive(Debug)]
+pub struct TlsError(pub String);
+
+impl fmt::Display for TlsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for TlsError {}
+
+impl TlsError {
+    /// `msg` as an `io::Error` (kind InvalidData) holding a `TlsError`.
+    pub fn io(msg: String) -> std::io::Error {
+        std::io::Error::new(std::io::ErrorKind::InvalidData, TlsError(msg))
+    }
+
+    /// Whether `e` holds a `TlsError`.
+    pub fn is(e: &std::io::Error) -> bool {
+        e.get_ref().is_some_and(|i| i.is::<TlsError>())
+    }
+}
+
 /// The provider every memkv TLS configuration uses, TLS 1.3 only.
 fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
