@@ -1,7 +1,7 @@
 //! `memkv serve`: an in-memory store for KV-cache blocks.
 //!
 //! Read top-down: `server` (accept loop, shutdown) admits each connection under `limits` and
-//! hands it, as a `transport`, to `conn` (the session: handshake, then requests), which reads and
+//! hands it, as a `transport` (plain TCP, or TLS through `tls`), to `conn` (the session: handshake, then requests), which reads and
 //! writes frames through `frame` (deadlines) and runs one module of `cmd` per command on the
 //! `store` (lanes by key hash); each `lane` holds an index, S3-FIFO eviction, leases and pins
 //! over memory from `arena`; `verify` checks GET chunks ahead of the send; `disk` is the tier behind the lanes
@@ -23,6 +23,7 @@ pub mod shm;
 #[cfg(test)]
 mod shm_tests;
 pub mod store;
+pub mod tls;
 pub mod transport;
 pub mod unix_transport;
 pub mod verify;

@@ -9,6 +9,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use memkv_proto::{self as proto, ErrorCode, Opcode};
+use memkv_tls::{ServerTls, ServerTlsFiles};
 
 use crate::conn::{self, ConnCtx};
 use crate::disk::{DiskConfig, DiskTier};
@@ -18,6 +19,7 @@ use crate::metrics_http;
 use crate::rdma::{RdmaConfig, ServerFabric};
 use crate::shm::{ShmConfig, ShmListener, ShmShared};
 use crate::store::Store;
+use crate::tls::TlsTransport;
 use crate::transport::{TcpTransport, Transport};
 use crate::verify::Verifier;
 
@@ -56,6 +58,10 @@ pub struct ServerConfig {
     /// The disk tier behind DRAM (`crate::disk`); None: DRAM only. Its spill queue's staging
     /// memory is taken out of `memory`.
     pub disk: Option<DiskConfig>,
+    /// TLS 1.3 on the TCP listener (`crate::tls`); None: plaintext.
+    pub tls: Option<ServerTlsFiles>,
+    /// Serve RDMA beside TLS: its one-sided transfers move values outside TLS, in clear.
+    pub tls_allow_rdma: bool,
 }
 
 impl Default for ServerConfig {
@@ -76,6 +82,8 @@ impl Default for ServerConfig {
             rdma: None,
             shm: Some(ShmConfig::default()),
             disk: None,
+            tls: None,
+            tls_allow_rdma: false,
         }
     }
 }
@@ -98,6 +106,7 @@ pub struct Server {
     threads: Vec<JoinHandle<()>>,
     limits: Arc<ConnLimits>,
     drain_timeout: Duration,
+    tls: Option<Arc<ServerTls>>,
 }
 
 /// `addr` as one or more socket addresses, or an error that says what is expected.
@@ -120,8 +129,9 @@ fn resolve(flag: &str, addr: &str) -> io::Result<Vec<SocketAddr>> {
 
 impl Server {
     /// Reserves memory, binds the listeners and starts serving in background threads.
-    pub fn start(cfg: ServerConfig) -> io::Result<Server> {
+    pub fn start(mut cfg: ServerConfig) -> io::Result<Server> {
         let listen = resolve("--listen", &cfg.listen)?;
+        let tls = start_tls(&mut cfg)?;
         let staging = cfg.disk.as_ref().map_or(0, |d| d.queue_bytes);
         let lane_memory = cfg.memory.checked_sub(staging).ok_or_else(|| {
             io::Error::new(
@@ -195,7 +205,10 @@ impl Server {
         threads.push(
             std::thread::Builder::new()
                 .name("memkv-accept".into())
-                .spawn(move || accept_loop(listener, ctx, lim))?,
+                .spawn({
+                    let tls = tls.clone();
+                    move || accept_loop(listener, ctx, lim, tls)
+                })?,
         );
         let mut metrics_addr = None;
         if let Some(m) = &cfg.metrics_listen {
@@ -224,6 +237,11 @@ impl Server {
             lanes = store.lane_count(),
             max_value_bytes = store.max_value_len,
             auth = cfg.auth_key.is_some(),
+            tls = match &tls {
+                Some(t) if t.mutual() => "mutual",
+                Some(_) => "on",
+                None => "off",
+            },
             buffer_budget_bytes = budget,
             metrics = %metrics_addr.map_or("off".to_string(), |a| a.to_string()),
             shm_socket = shm_socket.as_deref().unwrap_or("off"),
@@ -239,7 +257,16 @@ impl Server {
             threads,
             limits,
             drain_timeout: cfg.drain_timeout,
+            tls,
         })
+    }
+
+    /// Reads the TLS certificate and key files again (on SIGHUP): later handshakes present
+    /// them, open connections go on with the keys they agreed. On an error the old certificate
+    /// stays in use. Err when TLS is off.
+    pub fn reload_tls(&self) -> Result<(), String> {
+        let tls = self.tls.as_ref().ok_or("TLS is off (no --tls-cert)")?;
+        tls.reload()
     }
 
     /// Bytes of client regions the same-host path has mapped now (0 when it is off).
@@ -267,12 +294,52 @@ impl Server {
     }
 }
 
-fn accept_loop(listener: TcpListener, ctx: Arc<ConnCtx>, limits: Arc<ConnLimits>) {
+/// Loads the TLS files and settles what TLS rules out: RDMA without `tls_allow_rdma`, and the
+/// same-host socket under mutual TLS without an auth key (nothing would check who connects).
+fn start_tls(cfg: &mut ServerConfig) -> io::Result<Option<Arc<ServerTls>>> {
+    let Some(files) = &cfg.tls else {
+        return Ok(None);
+    };
+    let tls = ServerTls::new(files).map_err(|e| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("--tls-cert/--tls-key: {e}"),
+        )
+    })?;
+    if cfg.rdma.is_some() && !cfg.tls_allow_rdma {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "--rdma with --tls-cert: RDMA's one-sided transfers move values outside TLS, in \
+             clear on the fabric; add --tls-allow-rdma to accept that (docs/tls.md)",
+        ));
+    }
+    if tls.mutual() && cfg.auth_key.is_none() && cfg.shm.take().is_some() {
+        tracing::info!(
+            "same-host socket off: under --tls-client-ca without --auth-key nothing would \
+             check who connects to it (docs/tls.md)"
+        );
+    }
+    Ok(Some(Arc::new(tls)))
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    ctx: Arc<ConnCtx>,
+    limits: Arc<ConnLimits>,
+    tls: Option<Arc<ServerTls>>,
+) {
     let fd = listener.as_raw_fd();
-    serve_accepted(fd, &ctx, &limits, || {
-        let (stream, _) = listener.accept()?;
-        TcpTransport::new(stream)
-    });
+    match tls {
+        None => serve_accepted(fd, &ctx, &limits, || {
+            let (stream, _) = listener.accept()?;
+            TcpTransport::new(stream)
+        }),
+        Some(tls) => serve_accepted(fd, &ctx, &limits, || {
+            let (stream, _) = listener.accept()?;
+            let session = tls.connection().map_err(io::Error::other)?;
+            Ok(TlsTransport::new(TcpTransport::new(stream)?, session))
+        }),
+    }
 }
 
 /// Until shutdown: waits for `fd` (a listener) to be readable, takes the next connection with
