@@ -37,6 +37,12 @@ class Client:
         transport: Literal["tcp", "rdma", "auto", "shm"] = "tcp",
         rdma_devices: Sequence[str] = ...,
         gpu_memory: bool = False,
+        *,
+        tls_ca: str | None = None,
+        tls_server_name: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_allow_rdma: bool = False,
     ) -> Client: ...
     def exists(self, keys: Iterable[bytes], lease_ms: int = 0) -> bytes: ...
     def exists_lengths(

@@ -64,7 +64,7 @@ def test_defaults() -> None:
     assert c.auth_key is None
     assert c.transport == "tcp"
     assert c.rdma_devices == ()
-    assert c.connections_per_server == 2
+    assert c.connections_per_server == 8
     assert c.connect_timeout_s == 1.0
     assert c.op_timeout_s == 10.0
     assert c.io_threads == 8
@@ -91,6 +91,11 @@ def test_config_keys_and_env_names() -> None:
         "redis_tls_ca",
         "redis_tls_cert",
         "redis_tls_key",
+        "tls_ca",
+        "tls_server_name",
+        "tls_cert",
+        "tls_key",
+        "tls_allow_rdma",
     }
     assert env_name("servers") == "MEMKV_SERVERS"
     assert env_name("connect_timeout_s") == "MEMKV_CONNECT_TIMEOUT_S"
@@ -527,7 +532,7 @@ def test_describe_is_one_line_with_every_setting() -> None:
     assert "servers=a:1,[::1]:2" in line
     assert "transport=tcp" in line
     assert "rdma_devices" not in line  # irrelevant for tcp
-    assert "connections_per_server=2" in line
+    assert "connections_per_server=8" in line
     assert "connect_timeout_s=1" in line
     assert "op_timeout_s=10" in line
     assert "io_threads=3" in line
@@ -668,3 +673,46 @@ def test_server_order_is_kept(servers: list[str]) -> None:
     # Placement must not depend on order, but the list itself is reported as given.
     c = load_config(env={"MEMKV_SERVERS": ",".join(servers)})
     assert c.servers == tuple(parse_server(s) for s in servers)
+
+
+# --- TLS (docs/tls.md) ----------------------------------------------------------------------------
+
+
+def test_tls_from_the_environment_and_from_a_yaml_section(tmp_path: Path) -> None:
+    c = load_config(env={"MEMKV_TLS_CA": "/ca.pem", "MEMKV_TLS_ALLOW_RDMA": "1"})
+    assert (c.tls, c.tls_ca, c.tls_allow_rdma) == (True, "/ca.pem", True)
+    assert "tls=on" in c.describe()
+    f = tmp_path / "c.yaml"
+    f.write_text("tls:\n  ca: /ca.pem\n  server_name: kv.internal\n  cert: /c.pem\n  key: /k.pem\n")
+    c = load_config(env={"MEMKV_CONFIG": str(f), "MEMKV_TLS_CA": "/env-ca.pem"})
+    assert (c.tls_ca, c.tls_server_name, c.tls_cert, c.tls_key) == (
+        "/ca.pem", "kv.internal", "/c.pem", "/k.pem")
+    assert "tls=mutual" in c.describe()
+    assert dict(c.sources)["tls_ca"] == f"MEMKV_CONFIG={f}"
+    # The overrides take the section too.
+    assert load_config({"tls": {"ca": "/o.pem"}}, env={}).tls_ca == "/o.pem"
+    assert load_config(env={}).describe().endswith("tls=off")
+
+
+@pytest.mark.parametrize("settings,key,says", [
+    ({"tls": {"cert": "/c.pem", "key": "/k.pem"}}, "tls_cert", "needs tls_ca"),
+    ({"tls": {"ca": "/ca.pem", "cert": "/c.pem"}}, "tls_cert", "go together"),
+    ({"tls_allow_rdma": True}, "tls_allow_rdma", "needs tls_ca"),
+    ({"tls": {"ca": "/a"}, "tls_ca": "/b"}, "tls_ca", "both"),
+    ({"tls": {"cafile": "/a"}}, "tls.cafile", "unknown TLS setting"),
+    ({"tls": "/ca.pem"}, "tls", "must be a mapping"),
+    ({"backend": "redis", "tls": {"ca": "/ca.pem"}}, "tls_ca", "redis_tls_ca"),
+])
+def test_tls_settings_that_do_not_fit_together_name_the_key(
+        settings: dict[str, Any], key: str, says: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(settings, env={})
+    assert e.value.key == key and says in str(e.value), str(e.value)
+
+
+def test_the_servers_tls_variables_are_not_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    env = {"MEMKV_TLS_SERVER_CERT": "/s.pem", "MEMKV_TLS_SERVER_KEY": "/s.key",
+           "MEMKV_TLS_CLIENT_CA": "/ca.pem"}
+    with caplog.at_level("WARNING"):
+        assert load_config(env=env) == MemKVConfig()
+    assert "MEMKV_TLS" not in caplog.text

@@ -263,14 +263,20 @@ def test_eviction_turns_a_hit_into_a_miss_at_load_never_into_bytes(flavor: str) 
         r.stop()
 
 
-def test_tls_settings_reach_the_connection(tmp_path: Path, flavor: str) -> None:
-    """rediss:// plus redis_tls_ca: a TLS-only server answers; without the CA it cannot."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
+def _self_signed(tmp_path: Path) -> tuple[str, str]:
+    """(certificate, key) of a self-signed certificate for 127.0.0.1: a TLS server's own CA."""
     cert, key = str(tmp_path / "c.pem"), str(tmp_path / "k.pem")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
                     "-out", cert, "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
                     "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return cert, key
+
+
+def test_tls_settings_reach_the_connection(tmp_path: Path, flavor: str) -> None:
+    """rediss:// plus redis_tls_ca: a TLS-only server answers; without the CA it cannot."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    cert, key = _self_signed(tmp_path)
     r = RedisStandalone(tls=(cert, key), flavor=flavor)
     try:
         good = client_for(r.urls, redis_tls_ca=cert)
@@ -335,3 +341,41 @@ def test_read_from_replicas_reads_on_replicas(cluster: RedisCluster) -> None:
         assert after - before >= 60, (before, after)
     finally:
         c.close()
+
+
+# The ACL line of docs/redis.md ("TLS and one ACL user per tenant"), for tenant NAME.
+TENANT_ACL = ("on >{name}-password resetkeys ~{{????}}{name}/* resetchannels -@all +get +set "
+              "+exists +touch +del +ping +info +cluster|slots +cluster|shards +command +readonly")
+
+
+def test_one_acl_user_per_tenant_over_tls_confines_it_to_its_prefix(tmp_path: Path,
+                                                                     flavor: str) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    doc = (Path(__file__).resolve().parent.parent / "docs/redis.md").read_text()
+    assert "ACL SETUSER team-a " + TENANT_ACL.format(name="team-a") in doc
+    cert, key = _self_signed(tmp_path)
+    r = RedisStandalone(tls=(cert, key), flavor=flavor)
+    try:
+        for name in ("team-a", "team-b"):
+            out = r.node.cmd("ACL", "SETUSER", name, *TENANT_ACL.format(name=name).split())
+            assert out.strip() == "OK", out
+        a = client_for(r.urls, redis_tls_ca=cert, redis_username="team-a",
+                       redis_password="team-a-password")
+        b = client_for(r.urls, redis_tls_ca=cert, redis_username="team-b",
+                       redis_password="team-b-password")
+        src = rows(1, 500, 11)
+        assert list(b.put_ptrs([b"team-b/blk"], ptrs(src), [500])) == [Status.OK]
+        assert list(a.put_ptrs([b"team-a/blk"], ptrs(src), [500])) == [Status.OK]
+        dst = np.zeros_like(src)
+        assert list(a.get_into_ptrs([b"team-a/blk"], ptrs(dst), [500])) == [Status.OK]
+        assert (dst == src).all()
+        # Team B's block exists, and team A can neither read, overwrite nor probe it.
+        assert list(a.get_into_ptrs([b"team-b/blk"], ptrs(dst), [500])) == [Status.AUTH_FAILED]
+        assert list(a.put_ptrs([b"team-b/blk"], ptrs(src), [500])) == [Status.AUTH_FAILED]
+        assert list(a.exists([b"team-b/blk"])) == [Status.AUTH_FAILED]
+        assert list(b.exists([b"team-b/blk"])) == [Status.OK]
+        a.close()
+        b.close()
+    finally:
+        r.stop()

@@ -1,5 +1,6 @@
 """Attacks on a real `memkv serve` from outside that once exhausted it: floods of its metrics port,
-a low open-files limit turned into a lockout, and requests that announce more than they send.
+a low open-files limit turned into a lockout, requests that announce more than they send, and TLS
+handshakes that are garbage, floods or trickles.
 Each test drives the real server with raw sockets and failed against the server before its fix;
 the last ones are tenants trying to reach beyond their key prefix."""
 
@@ -7,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import select
 import socket
+import ssl
 import struct
 import time
 import urllib.request
@@ -44,6 +47,7 @@ from test_server_limits import (
     rss,
 )
 from test_tenants import KEY_A, KEY_B, tenant_server
+from tls_certs import Pki
 
 from memkv_vllm.core.client import MemKVClient, Status
 from memkv_vllm.core.config import MemKVConfig
@@ -212,6 +216,101 @@ def test_a_body_on_a_request_that_takes_none_is_refused_unread(memkv_server_fact
     s = authed(srv)
     s.sendall(header(op, 16 << 20) + b"x" * 100)
     assert_closed_with_error(s, MALFORMED)
+
+
+# --- TLS (docs/tls.md): the handshake is bounded like any handshake frame --------------------
+
+
+def _tls_server(factory, tmp_path: Path, *extra: str):
+    pki = Pki(tmp_path)
+    return factory(memory="16M", auth_key=KEY, extra=pki.server_flags() + list(extra)), pki
+
+
+def _tls_round_trip_s(srv, pki: Pki) -> float:
+    return round_trip_s(srv, tls_ca=str(pki.ca))
+
+
+def _client_hello(pki: Pki) -> bytes:
+    """The first flight of a real TLS client, as bytes to send by hand."""
+    ctx = ssl.create_default_context(cafile=str(pki.ca))
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname="localhost")
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def _closed_within(s: socket.socket, seconds: float) -> float:
+    """Seconds until the server closed `s` (reading and dropping what it sends first)."""
+    t = time.monotonic()
+    s.settimeout(seconds)
+    try:
+        while s.recv(4096):
+            pass
+    except (ConnectionResetError, ssl.SSLError):
+        pass
+    took = time.monotonic() - t
+    assert took < seconds
+    return took
+
+
+def test_garbage_before_and_after_the_tls_handshake_closes_only_that_connection(
+        memkv_server_factory, tmp_path: Path):
+    srv, pki = _tls_server(memkv_server_factory, tmp_path)
+    # A record header that claims a handshake, then noise.
+    s = connect(srv)
+    s.sendall(b"\x16\x03\x01\x00\x40" + bytes(range(64)))
+    _closed_within(s, 3)
+    # A real handshake, then bytes that are no record of this session.
+    ctx = ssl.create_default_context(cafile=str(pki.ca))
+    tls = ctx.wrap_socket(connect(srv), server_hostname="localhost")
+    raw = socket.socket(fileno=os.dup(tls.fileno()))
+    raw.sendall(b"\x17\x03\x03\x00\x20" + b"\xff" * 32)
+    _closed_within(raw, 3)
+    raw.close()
+    tls.close()
+    assert _tls_round_trip_s(srv, pki) < 1.0
+    assert srv.alive()
+
+
+def test_a_tls_handshake_flood_cannot_lock_out_a_client_with_the_key(
+        memkv_server_factory, tmp_path: Path):
+    """Peers that start TLS handshakes and never finish them hold unauthenticated slots, which
+    give way to new connections, as silent plaintext peers do."""
+    srv, pki = _tls_server(memkv_server_factory, tmp_path, "--max-connections", "8",
+                           "--handshake-timeout", "30")
+    threads = proc_status(srv.proc.pid, "Threads")
+    hello_bytes = _client_hello(pki)
+    flood = []
+    try:
+        for i in range(64):
+            s = connect(srv)
+            # Half send a whole ClientHello and wait for nothing, half stop inside it.
+            s.sendall(hello_bytes if i % 2 else hello_bytes[:20])
+            flood.append(s)
+        assert proc_status(srv.proc.pid, "Threads") <= threads + 9
+        assert _tls_round_trip_s(srv, pki) < 1.0
+    finally:
+        for s in flood:
+            s.close()
+    assert srv.alive()
+
+
+def test_a_tls_handshake_trickled_is_closed_at_the_handshake_timeout(
+        memkv_server_factory, tmp_path: Path):
+    srv, pki = _tls_server(memkv_server_factory, tmp_path, "--handshake-timeout", "1")
+    s = connect(srv)
+    t = time.monotonic()
+    for b in _client_hello(pki):
+        try:
+            s.send(bytes([b]))
+        except OSError:  # closed by the server: the trickle ends
+            break
+        if select.select([s], [], [], 0.05)[0]:
+            break
+    _closed_within(s, 5)
+    assert time.monotonic() - t < 2.5
+    assert _tls_round_trip_s(srv, pki) < 1.0
 
 
 def tenant_conn(srv, key: str) -> tuple[socket.socket, bytes]:

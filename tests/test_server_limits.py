@@ -58,11 +58,12 @@ def error_code(s: socket.socket) -> int:
     return struct.unpack("<H", body[:2])[0]
 
 
-def round_trip_s(srv, key: str | None = KEY) -> float:
-    """Seconds a fresh client (new connection) takes for one PUT and GET; fails on a wrong byte."""
+def round_trip_s(srv, key: str | None = KEY, **settings: str) -> float:
+    """Seconds a fresh client (new connection) takes for one PUT and GET; fails on a wrong byte.
+    `settings`: more client settings (the TLS ones)."""
     t = time.monotonic()
     c = MemKVClient(MemKVConfig(servers=(srv.address,), op_timeout_s=5.0,
-                                auth_key=bytes.fromhex(key) if key else None))
+                                auth_key=bytes.fromhex(key) if key else None, **settings))
     try:
         assert c.put([b"probe"], [b"p" * 100]) == [Status.OK]
         d = bytearray(100)

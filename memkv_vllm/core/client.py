@@ -250,6 +250,11 @@ class MemKVClient:
             config.transport,
             list(config.rdma_devices),
             gpu_memory,
+            tls_ca=config.tls_ca,
+            tls_server_name=config.tls_server_name,
+            tls_cert=config.tls_cert,
+            tls_key=config.tls_key,
+            tls_allow_rdma=config.tls_allow_rdma,
         )
         self.codes = CodesClient(self._c)
 

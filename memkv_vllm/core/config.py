@@ -10,6 +10,10 @@ Sources, highest precedence first:
 A key set in the yaml file therefore wins over the matching environment variable: the file is
 the deliberate, reviewed configuration, the environment is the convenient fallback.
 
+The TLS settings (``tls_ca``, ``tls_server_name``, ``tls_cert``, ``tls_key``, ``tls_allow_rdma``)
+may also be written as one ``tls:`` section in the yaml file or the overrides, its keys without
+the prefix (``tls: {ca: ..., cert: ...}``); the environment names them ``MEMKV_TLS_CA`` and so on.
+
 Every bad value raises :class:`ConfigError` naming the key and where it came from. The auth key
 never appears in an error, ``repr`` or :meth:`MemKVConfig.describe`.
 """
@@ -32,6 +36,7 @@ __all__ = [
     "CONFIG_ENV",
     "CONFIG_KEYS",
     "DEFAULT_PORT",
+    "OVERRIDE_KEYS",
     "ENV_PREFIX",
     "ConfigError",
     "MemKVConfig",
@@ -78,6 +83,11 @@ NON_CLIENT_ENV: frozenset[str] = frozenset(
         "MEMKV_SHM_SOCKET",
         # `memkv serve --tenants FILE`; a client's tenant comes from its `auth_key`.
         "MEMKV_TENANTS",
+        # `memkv serve --tls-cert/--tls-key/--tls-client-ca` (the client's are MEMKV_TLS_CA,
+        # MEMKV_TLS_CERT, MEMKV_TLS_KEY).
+        "MEMKV_TLS_SERVER_CERT",
+        "MEMKV_TLS_SERVER_KEY",
+        "MEMKV_TLS_CLIENT_CA",
     }
 )
 
@@ -283,8 +293,10 @@ class MemKVConfig:
     transport: Transport = attrs.field(default="tcp", validator=_validator(_check_transport))
     # Empty = all devices the RDMA stack reports.
     rdma_devices: tuple[str, ...] = attrs.field(default=(), validator=_validator(_check_devices))
+    # 8: on an H200 host the store's loads and stores rose from about a third of the 8-connection
+    # loopback TCP ceiling at 2 connections to about 70% at 8 (docs/benchmarks.md).
     connections_per_server: int = attrs.field(
-        default=2, validator=_validator(_int_check(1, _MAX_CONNECTIONS))
+        default=8, validator=_validator(_int_check(1, _MAX_CONNECTIONS))
     )
     connect_timeout_s: float = attrs.field(default=1.0, validator=_validator(_timeout_check))
     op_timeout_s: float = attrs.field(default=10.0, validator=_validator(_timeout_check))
@@ -305,8 +317,25 @@ class MemKVConfig:
     redis_tls_ca: str | None = attrs.field(default=None, validator=_validator(_check_opt_text))
     redis_tls_cert: str | None = attrs.field(default=None, validator=_validator(_check_opt_text))
     redis_tls_key: str | None = attrs.field(default=None, validator=_validator(_check_opt_text))
+    # memkv backend: TLS 1.3 on every TCP link (docs/tls.md), on when tls_ca is set. The paths
+    # are read by the native client when it starts.
+    tls_ca: str | None = attrs.field(default=None, validator=_validator(_check_opt_text))
+    tls_server_name: str | None = attrs.field(default=None, validator=_validator(_check_opt_text))
+    tls_cert: str | None = attrs.field(default=None, validator=_validator(_check_opt_text))
+    tls_key: str | None = attrs.field(default=None, validator=_validator(_check_opt_text))
+    tls_allow_rdma: bool = attrs.field(default=False, validator=_validator(_check_bool))
     # Where each non-default setting came from, for describe(); not part of equality.
     sources: tuple[tuple[str, str], ...] = attrs.field(default=(), eq=False, repr=False, hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        problem = _tls_problem(self)
+        if problem is not None:
+            raise ConfigError(problem[0], "MemKVConfig(...) argument", problem[1])
+
+    @property
+    def tls(self) -> bool:
+        """Whether memkv links run TLS (``tls_ca`` is set)."""
+        return self.tls_ca is not None
 
     def describe(self) -> str:
         """One line for a startup log. Says whether auth is on, never the key itself."""
@@ -325,8 +354,14 @@ class MemKVConfig:
             f"io_threads={self.io_threads}",
             f"lease_ms={self.lease_ms}",
             f"auth={'on' if self.auth_key is not None else 'off'}",
+            f"tls={self._describe_tls()}",
         ]
         return self._with_sources("memkv " + " ".join(parts))
+
+    def _describe_tls(self) -> str:
+        if not self.tls:
+            return "off"
+        return "mutual" if self.tls_cert is not None else "on"
 
     def _describe_redis(self) -> str:
         parts = [
@@ -349,9 +384,30 @@ class MemKVConfig:
         return line
 
 
+def _tls_problem(c: Any) -> tuple[str, str] | None:
+    """(key, why) when the TLS settings do not fit together, else None."""
+    if c.tls_ca is None:
+        for key in ("tls_server_name", "tls_cert", "tls_key"):
+            if getattr(c, key) is not None:
+                return key, "needs tls_ca (the CA bundle the servers' certificates chain to)"
+        if c.tls_allow_rdma:
+            return "tls_allow_rdma", "needs tls_ca: without TLS there is nothing to allow"
+        return None
+    if (c.tls_cert is None) != (c.tls_key is None):
+        return "tls_cert", "a client certificate (tls_cert) and its key (tls_key) go together"
+    if c.backend == "redis":
+        return "tls_ca", ("is for memkv servers; Redis takes rediss:// servers and redis_tls_ca, "
+                          "redis_tls_cert, redis_tls_key (docs/redis.md)")
+    return None
+
+
 CONFIG_KEYS: frozenset[str] = frozenset(
     a.name for a in attrs.fields(MemKVConfig) if a.name != "sources"
 )
+
+
+# What `overrides` (a tier's or spec's config) may hold: the settings, and the `tls:` section.
+OVERRIDE_KEYS: frozenset[str] = CONFIG_KEYS | {"tls"}
 
 
 def env_name(key: str) -> str:
@@ -499,6 +555,11 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "redis_tls_ca": _parse_text,
     "redis_tls_cert": _parse_text,
     "redis_tls_key": _parse_text,
+    "tls_ca": _parse_text,
+    "tls_server_name": _parse_text,
+    "tls_cert": _parse_text,
+    "tls_key": _parse_text,
+    "tls_allow_rdma": _parse_bool,
 }
 assert set(_PARSERS) == CONFIG_KEYS  # a new field needs a parser
 
@@ -525,10 +586,36 @@ def _read_yaml(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(None, source, f"must be a mapping of settings, got {type(data).__name__}")
+    data = _flatten_tls(data, source)
     for k in data:
         if not isinstance(k, str) or k not in CONFIG_KEYS:
             raise ConfigError(str(k), source, _unknown_hint())
     return data
+
+
+_TLS_SECTION = "tls"
+
+
+def _flatten_tls(settings: Mapping[Any, Any], source: str) -> dict[Any, Any]:
+    """``settings`` with a ``tls:`` section spelled as its ``tls_*`` keys."""
+    if _TLS_SECTION not in settings:
+        return dict(settings)
+    out = {k: v for k, v in settings.items() if k != _TLS_SECTION}
+    section = settings[_TLS_SECTION]
+    if section is None:
+        return out
+    if not isinstance(section, Mapping):
+        raise ConfigError(_TLS_SECTION, source, "must be a mapping (ca, server_name, cert, key, "
+                          f"allow_rdma), got {type(section).__name__}")
+    for k, v in section.items():
+        key = f"tls_{k}"
+        if not isinstance(k, str) or key not in CONFIG_KEYS:
+            raise ConfigError(f"{_TLS_SECTION}.{k}", source,
+                              "unknown TLS setting; known: ca, server_name, cert, key, allow_rdma")
+        if key in out:
+            raise ConfigError(key, source, f"set both as {key} and in the {_TLS_SECTION}: section")
+        out[key] = v
+    return out
 
 
 def _unknown_hint() -> str:
@@ -573,7 +660,7 @@ def load_config(
 
     if overrides:
         layer: dict[str, tuple[Any, str]] = {}
-        for k, v in overrides.items():
+        for k, v in _flatten_tls(overrides, "overrides").items():
             if k not in CONFIG_KEYS:
                 raise ConfigError(str(k), "overrides", _unknown_hint())
             if v is not None:
@@ -597,4 +684,24 @@ def load_config(
             _check_servers_for(values.get("backend", "memkv"), values["servers"])
         except ValueError as e:
             raise ConfigError("servers", chosen["servers"][1], str(e)) from None
+    problem = _tls_problem(_Defaulted(values))
+    if problem is not None:
+        key = problem[0]
+        where = chosen[key][1] if key in chosen else "defaults"
+        raise ConfigError(key, where, problem[1])
     return MemKVConfig(**values, sources=sources)
+
+
+class _Defaulted:
+    """The parsed values of load_config, with MemKVConfig's defaults for the rest."""
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        self._values = values
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._values:
+            return self._values[name]
+        return getattr(_DEFAULTS, name)
+
+
+_DEFAULTS = MemKVConfig()

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from memkv_vllm.core.config import CONFIG_KEYS, ConfigError
+from memkv_vllm.core.config import OVERRIDE_KEYS, ConfigError
 from memkv_vllm.offload.movers import MEDIUMS
 
 _SOURCE = "kv_connector_extra_config"
@@ -99,7 +99,7 @@ def parse_options(extra: Mapping[str, Any]) -> DirectOptions:
                                   0.0),
         spec_prefix=prefix,
         prefix_wait_s=_seconds("memkv_prefix_wait_s", extra.get("memkv_prefix_wait_s", 10), 0.0),
-        client_overrides={k: v for k, v in extra.items() if k in CONFIG_KEYS},
+        client_overrides={k: v for k, v in extra.items() if k in OVERRIDE_KEYS},
     )
 
 

@@ -84,9 +84,9 @@ class MemKVSecondaryTierManager(_API.SecondaryTierManager):  # type: ignore[name
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type,
                          **_API.tier_base_kwargs(kwargs))
-        from memkv_vllm.core.config import CONFIG_KEYS
+        from memkv_vllm.core.config import OVERRIDE_KEYS
 
-        client_kw = {k: v for k, v in kwargs.items() if k in CONFIG_KEYS}
+        client_kw = {k: v for k, v in kwargs.items() if k in OVERRIDE_KEYS}
         unknown = sorted(set(kwargs) - set(client_kw))
         if unknown:
             # New framework kwargs or typos must not stop the engine; say so once.

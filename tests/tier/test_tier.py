@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from harness import ROW, okey, pattern
 from test_tenants import KEY_A, KEY_B, tenant_server
+from tls_certs import Pki
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 import memkv_vllm
@@ -282,3 +283,28 @@ def test_tenants_share_blocks_within_and_never_across_and_a_foreign_prefix_stops
     ctx = b.ctx()
     b.manager.on_new_request(ctx)
     b.run_until(lambda: [b.lookup(k, ctx) for k in keys] == [LR.MISS] * 4, timeout=5)
+
+
+def test_engines_share_blocks_over_mutual_tls_set_in_the_tier_config(
+        memkv_server_factory, engines, tmp_path) -> None:
+    """The tier's `tls:` section reaches the client (docs/tls.md); an engine without the client
+    certificate gets misses, never an error."""
+    pki = Pki(tmp_path)
+    server = memkv_server_factory(extra=pki.server_flags(client_ca=pki))
+    cert, key = pki.issue("engine", "engine-a", sans=())
+    cfg = _cfg(server.address, tls={"ca": str(pki.ca), "cert": str(cert), "key": str(key)})
+    a = engines(cfg)
+    keys = [okey(900 + i) for i in range(3)]
+    a.store(keys, _fill(a))
+    a.drain()
+    assert a.tier.store_stats()["store_blocks_ok"] == 3
+    b = engines(cfg)
+    ctx = b.ctx()
+    b.manager.on_new_request(ctx)
+    _load_into_primary(b, keys, ctx)
+    for i, row in enumerate(_rows_of(b, keys, ctx)):
+        assert np.array_equal(row, pattern(i))
+    stranger = engines({**cfg, "tls": {"ca": str(pki.ca)}})
+    ctx = stranger.ctx()
+    stranger.manager.on_new_request(ctx)
+    stranger.run_until(lambda: stranger.lookup(keys[0], ctx) is LR.MISS, timeout=5)

@@ -70,6 +70,54 @@ pub struct BenchArgs {
     transport: String,
     #[command(flatten)]
     rdma: crate::RdmaArgs,
+    /// Also measure memkv over TLS 1.3: a second in-process server with a certificate made for
+    /// the run, printed under each row with its share of the row's plaintext put and get.
+    #[arg(long)]
+    tls: bool,
+    /// TLS to --servers (the bench's client then measures those servers over TLS).
+    #[command(flatten)]
+    tls_args: crate::TlsArgs,
+}
+
+/// The in-process TLS server of `--tls` and its client; the certificate's files live as long.
+struct TlsBench {
+    server: Server,
+    client: Arc<Client>,
+    _pki: memkv_tls::ephemeral::Pki,
+}
+
+impl TlsBench {
+    fn start(memory: u64, auth_key: Option<String>, conns: usize) -> Result<TlsBench, String> {
+        let pki = memkv_tls::ephemeral::Pki::new();
+        let cert = pki.server("bench");
+        let server = Server::start(ServerConfig {
+            listen: "127.0.0.1:0".into(),
+            memory,
+            lanes: 2,
+            tls: Some(memkv_tls::ServerTlsFiles {
+                cert: cert.cert,
+                key: cert.key,
+                client_ca: None,
+            }),
+            ..ServerConfig::default()
+        })
+        .map_err(|e| format!("in-process TLS server: {e}"))?;
+        let conn = Conn {
+            servers: server.addr.to_string(),
+            auth_key,
+            timeout: 30.0,
+            tls: crate::TlsArgs {
+                tls_ca: Some(pki.ca()),
+                ..crate::TlsArgs::default()
+            },
+        };
+        let client = conn.client(1, conns)?;
+        Ok(TlsBench {
+            server,
+            client,
+            _pki: pki,
+        })
+    }
 }
 
 /// Best of `n` runs of a throughput measurement.
@@ -606,7 +654,19 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         servers: servers.clone(),
         auth_key: a.auth_key.clone(),
         timeout: 30.0,
+        tls: a.tls_args.clone(),
     };
+    if a.tls && a.servers.is_some() {
+        return Err(
+            "--tls compares an in-process TLS server with the in-process plaintext one; \
+             leave out --servers (to measure servers of your own over TLS, give --tls-ca)"
+                .into(),
+        );
+    }
+    let tls_bench = a
+        .tls
+        .then(|| TlsBench::start(parse_size(&a.memory)?, a.auth_key.clone(), max_threads))
+        .transpose()?;
     let client = conn.client(1, max_threads)?;
     let rdma_client = with_rdma
         .then(|| {
@@ -700,7 +760,11 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
     if with_shm {
         println!("{:>61}shm-put shm-get  put/memcpy get/memcpy", "");
     }
+    if tls_bench.is_some() {
+        println!("{:>61}tls-put tls-get  put/plain  get/plain", "");
+    }
     let mut summary = Summary::default();
+    let mut tls_ratios: Vec<f64> = Vec::new();
     let mut rows = Vec::new();
     for &size in &sizes {
         let mc = best(rep, || Ok(memcpy_ceiling(size, volume)))?;
@@ -717,8 +781,9 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                 Ok(r)
             };
             // Per round: the one-stream and per-thread ceilings ([whole, pieces] each), then
-            // memkv put, get, Redis set, get, memkv over RDMA put, get, over shm put, get.
-            let mut rounds: Vec<([f64; 2], [f64; 2], [f64; 8])> = Vec::with_capacity(rep);
+            // memkv put, get, Redis set, get, memkv over RDMA put, get, over shm put, get, over
+            // TLS put, get.
+            let mut rounds: Vec<([f64; 2], [f64; 2], [f64; 10])> = Vec::with_capacity(rep);
             for _ in 0..rep {
                 let one = tcp(1)?;
                 let many = if th == 1 { one } else { tcp(th)? };
@@ -749,11 +814,20 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                         Some(c) => memkv_point(c, size, th, &w, volume, false)?,
                         None => 0.0,
                     },
+                    match &tls_bench {
+                        Some(t) => memkv_point(&t.client, size, th, &w, volume, true)?,
+                        None => 0.0,
+                    },
+                    match &tls_bench {
+                        Some(t) => memkv_point(&t.client, size, th, &w, volume, false)?,
+                        None => 0.0,
+                    },
                 ];
                 rounds.push((one, many, systems));
             }
             let best_of = |k: usize| rounds.iter().map(|r| r.2[k]).fold(0.0, f64::max);
-            let [p, g, rp, rg, dp, dg, sp, sg] = [0, 1, 2, 3, 4, 5, 6, 7].map(best_of);
+            let [p, g, rp, rg, dp, dg, sp, sg, tp, tg] =
+                [0, 1, 2, 3, 4, 5, 6, 7, 8, 9].map(best_of);
             let one: Vec<[f64; 2]> = rounds.iter().map(|r| r.0).collect();
             let many: Vec<[f64; 2]> = rounds.iter().map(|r| r.1).collect();
             let (tcp, tcp_n) = (ceiling(&one), ceiling(&many));
@@ -787,6 +861,18 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                     pct(sg, mc)
                 );
             }
+            if tls_bench.is_some() {
+                println!(
+                    "{:>61}{tp:>7.2} {tg:>7.2} {:>10.0}% {:>9.0}%",
+                    "",
+                    pct(tp, p),
+                    pct(tg, g)
+                );
+                if size >= TARGET_FROM {
+                    tls_ratios.extend([pct(tp, p), pct(tg, g)]);
+                }
+            }
+            let tls_gbps = |x: f64| tls_bench.as_ref().map(|_| x);
             let redis_gbps = |x: f64| redis.as_ref().map(|_| x);
             let rdma_gbps = |x: f64| with_rdma.then_some(x);
             let shm_gbps = |x: f64| with_shm.then_some(x);
@@ -796,6 +882,7 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                 "redis_set": redis_gbps(rp), "redis_get": redis_gbps(rg),
                 "rdma_put": rdma_gbps(dp), "rdma_get": rdma_gbps(dg),
                 "shm_put": shm_gbps(sp), "shm_get": shm_gbps(sg),
+                "tls_put": tls_gbps(tp), "tls_get": tls_gbps(tg),
             }));
             if a.show_rounds {
                 let each: Vec<String> = rounds
@@ -811,6 +898,9 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                         if with_shm {
                             r += &format!(" shm-put {:.2} shm-get {:.2}", x[6], x[7]);
                         }
+                        if tls_bench.is_some() {
+                            r += &format!(" tls-put {:.2} tls-get {:.2}", x[8], x[9]);
+                        }
                         r
                     })
                     .collect();
@@ -824,6 +914,15 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
     }
     if let Some(s) = summary.line() {
         println!("{s}");
+    }
+    if !tls_ratios.is_empty() {
+        let lo = tls_ratios.iter().copied().fold(f64::INFINITY, f64::min);
+        let under = tls_ratios.iter().filter(|&&x| x < 80.0).count();
+        println!(
+            "values >= {}: TLS vs plaintext (same run) lowest {lo:.0}%, {under} of {} under 80%",
+            size_label(TARGET_FROM),
+            tls_ratios.len()
+        );
     }
     let lat = exists_latency(&client)?;
     println!(
@@ -839,7 +938,7 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap())
             .map_err(|e| format!("--json {}: {e}", path.display()))?;
     }
-    if let Some(s) = _server {
+    for s in _server.into_iter().chain(tls_bench.map(|t| t.server)) {
         s.shutdown();
         s.wait();
     }

@@ -2,15 +2,19 @@
 //! console script (which calls `run` through the extension module).
 
 pub mod bench;
+mod disk_args;
 mod net;
 pub mod stats_table;
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use std::path::PathBuf;
+
 use clap::{Args, Parser, Subcommand};
 use memkv_client::{Client, ClientConfig};
 use memkv_server::{parse_auth_key, parse_size, Server, ServerConfig};
+use memkv_tls::{ClientTlsFiles, ServerTlsFiles};
 
 #[derive(Parser)]
 #[command(
@@ -122,6 +126,78 @@ struct ServeArgs {
     max_shm_mapped: String,
     #[command(flatten)]
     rdma: RdmaArgs,
+    #[command(flatten)]
+    disk: disk_args::DiskArgs,
+    #[command(flatten)]
+    tls: ServeTlsArgs,
+}
+
+/// TLS on `memkv serve`'s TCP listener.
+#[derive(Args)]
+struct ServeTlsArgs {
+    /// Serve TLS 1.3 with this certificate chain (PEM, leaf first); SIGHUP reloads it and
+    /// --tls-key without closing open connections.
+    #[arg(long, env = "MEMKV_TLS_SERVER_CERT", hide_env_values = true)]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "MEMKV_TLS_SERVER_KEY", hide_env_values = true)]
+    tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this CA bundle (PEM): mutual TLS.
+    #[arg(long, env = "MEMKV_TLS_CLIENT_CA", hide_env_values = true)]
+    tls_client_ca: Option<PathBuf>,
+    /// Serve --rdma beside TLS: RDMA's one-sided transfers move values outside TLS, in clear on
+    /// the fabric (only the control connection is encrypted).
+    #[arg(long, env = "MEMKV_TLS_ALLOW_RDMA", hide_env_values = true)]
+    tls_allow_rdma: bool,
+}
+
+impl ServeTlsArgs {
+    fn files(&self) -> Result<Option<ServerTlsFiles>, String> {
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Ok(Some(ServerTlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: self.tls_client_ca.clone(),
+            })),
+            (None, None) if self.tls_client_ca.is_none() => Ok(None),
+            (None, None) => Err("--tls-client-ca needs --tls-cert and --tls-key".into()),
+            _ => Err("--tls-cert and --tls-key go together".into()),
+        }
+    }
+}
+
+/// The client's TLS settings, shared by every command that connects to servers.
+#[derive(Args, Clone, Default)]
+pub struct TlsArgs {
+    /// Connect with TLS 1.3, verifying the servers' certificates against this CA bundle (PEM).
+    #[arg(long, env = "MEMKV_TLS_CA", hide_env_values = true)]
+    pub tls_ca: Option<PathBuf>,
+    /// Name the servers' certificates must carry [default: the host of each server address].
+    #[arg(long, env = "MEMKV_TLS_SERVER_NAME", hide_env_values = true)]
+    pub tls_server_name: Option<String>,
+    /// Client certificate chain (PEM), for servers under mutual TLS.
+    #[arg(long, env = "MEMKV_TLS_CERT", hide_env_values = true)]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "MEMKV_TLS_KEY", hide_env_values = true)]
+    pub tls_key: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    pub fn files(&self) -> Result<Option<ClientTlsFiles>, String> {
+        let Some(ca) = &self.tls_ca else {
+            if self.tls_server_name.is_some() || self.tls_cert.is_some() || self.tls_key.is_some() {
+                return Err("--tls-server-name, --tls-cert and --tls-key need --tls-ca".into());
+            }
+            return Ok(None);
+        };
+        Ok(Some(ClientTlsFiles {
+            ca: ca.clone(),
+            server_name: self.tls_server_name.clone(),
+            cert: self.tls_cert.clone(),
+            key: self.tls_key.clone(),
+        }))
+    }
 }
 
 /// The same-host data path of `memkv serve`, from its flags.
@@ -198,6 +274,8 @@ pub struct Conn {
     /// Seconds before a silent server counts as down.
     #[arg(long, default_value_t = 5.0)]
     pub timeout: f64,
+    #[command(flatten)]
+    pub tls: TlsArgs,
 }
 
 #[derive(Args)]
@@ -241,9 +319,11 @@ impl Conn {
                     self.timeout
                 )
             })?;
+        let tls = self.tls.files()?.or(base.tls.clone());
         Client::new(ClientConfig {
             servers,
             auth_key,
+            tls,
             connections_per_server: conns,
             connect_timeout: timeout.min(Duration::from_secs(5)),
             op_timeout: timeout,
@@ -356,7 +436,10 @@ fn serve(a: ServeArgs) -> Result<i32, String> {
         min_rate,
         buffer_budget,
         rdma: a.rdma.server_config(),
+        disk: a.disk.config(memory)?,
         shm,
+        tls: a.tls.files()?,
+        tls_allow_rdma: a.tls.tls_allow_rdma,
         ..ServerConfig::default()
     };
     let server = Server::start(cfg).map_err(|e| format!("cannot start on {}: {e}", a.listen))?;
@@ -364,12 +447,23 @@ fn serve(a: ServeArgs) -> Result<i32, String> {
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(sig, flag.clone()).map_err(|e| e.to_string())?;
     }
+    let reload = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGHUP, reload.clone())
+        .map_err(|e| e.to_string())?;
     // Tests and scripts read the bound address (useful with port 0) from this line.
     println!("memkv listening on {}", server.addr);
     use std::io::Write;
     let _ = std::io::stdout().flush();
     while !flag.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(100));
+        if reload.swap(false, Ordering::Relaxed) {
+            match server.reload_tls() {
+                Ok(()) => tracing::info!("SIGHUP: TLS certificate and key reloaded"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "SIGHUP: TLS reload failed; the certificate in use stays")
+                }
+            }
+        }
     }
     tracing::info!("shutdown requested; draining connections");
     server.wait();

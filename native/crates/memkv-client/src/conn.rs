@@ -39,6 +39,7 @@ impl ConnError {
     /// The per-key outcome this failure gives the keys it hit.
     pub fn status(&self) -> Status {
         match self {
+            ConnError::Io(e) if memkv_tls::TlsError::is(e) => Status::AuthFailed,
             ConnError::Io(e) => match e.kind() {
                 io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Status::Timeout,
                 io::ErrorKind::ConnectionRefused => Status::Refused,

@@ -22,6 +22,7 @@ pub mod rdma;
 pub mod shm;
 pub mod shm_regions;
 pub mod status;
+pub mod tls;
 pub mod transport;
 
 use std::sync::{Arc, Once};
@@ -96,6 +97,22 @@ fn open_auto(
     ))
 }
 
+/// Why RDMA is not used under TLS (`auto` then uses TCP), or the error refusing transport
+/// `rdma`; None when TLS is off or `tls_allow_rdma` accepts values outside it.
+fn tls_refuses_rdma(cfg: &ClientConfig) -> Result<Option<&'static str>, String> {
+    const WHY: &str = "RDMA's one-sided transfers move values outside TLS, in clear on the \
+         fabric; set tls.allow_rdma (MEMKV_TLS_ALLOW_RDMA=1) to accept that";
+    if cfg.tls.is_none() || cfg.tls_allow_rdma {
+        return Ok(None);
+    }
+    if cfg.transport == TransportChoice::Rdma {
+        return Err(format!(
+            "transport 'rdma' with tls: {WHY}, or use transport tcp"
+        ));
+    }
+    Ok(Some(WHY))
+}
+
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
     /// `host:port` of every server; put in canonical form (`placement::canonical_server`).
@@ -118,6 +135,11 @@ pub struct ClientConfig {
     /// transfers may name CUDA device buffers (`Client::gpu_memory` says whether it has one).
     /// Asked only when wanted: a provider without it still serves host memory.
     pub gpu_memory: bool,
+    /// TLS 1.3 on every TCP link (data, and RDMA's control path); None: plaintext.
+    pub tls: Option<memkv_tls::ClientTlsFiles>,
+    /// With `tls`, still move values by RDMA (outside TLS, in clear on the fabric): without it
+    /// transport `rdma` is refused and `auto` does not try RDMA.
+    pub tls_allow_rdma: bool,
 }
 
 impl Default for ClientConfig {
@@ -125,7 +147,7 @@ impl Default for ClientConfig {
         ClientConfig {
             servers: vec!["127.0.0.1:7390".into()],
             auth_key: None,
-            connections_per_server: 2,
+            connections_per_server: 8,
             connect_timeout: Duration::from_secs(1),
             op_timeout: Duration::from_secs(10),
             io_threads: 8,
@@ -133,6 +155,8 @@ impl Default for ClientConfig {
             rdma_devices: Vec::new(),
             rdma_provider: None,
             gpu_memory: false,
+            tls: None,
+            tls_allow_rdma: false,
         }
     }
 }
@@ -235,11 +259,19 @@ impl Client {
         let shm_socket = std::env::var("MEMKV_SHM_SOCKET")
             .ok()
             .filter(|p| !matches!(p.as_str(), "" | "auto" | "off"));
+        let tcp = match &cfg.tls {
+            Some(files) => Tcp::tls(Arc::new(
+                memkv_tls::ClientTls::new(files).map_err(|e| format!("tls: {e}"))?,
+            )),
+            None => Tcp::plain(),
+        };
+        let rdma_refused = tls_refuses_rdma(&cfg)?;
+        // `auto` under TLS keeps every link under TLS: no same-host socket (it carries no TLS).
         let shm_regions = matches!(cfg.transport, TransportChoice::Shm)
-            || (cfg.transport == TransportChoice::Auto && !cfg.gpu_memory);
+            || (cfg.transport == TransportChoice::Auto && !cfg.gpu_memory && !tcp.is_tls());
         let shm_regions = shm_regions.then(|| Arc::new(shm_regions::Regions::default()));
         let transport: Arc<dyn Transport> = match cfg.transport {
-            TransportChoice::Tcp => Arc::new(Tcp),
+            TransportChoice::Tcp => Arc::new(tcp),
             TransportChoice::Shm => {
                 let regions = shm_regions.clone().expect("made for shm");
                 tracing::info!(
@@ -248,12 +280,19 @@ impl Client {
                         .unwrap_or("derived from each server's address"),
                     "memkv transport 'shm'"
                 );
+                if tcp.is_tls() {
+                    tracing::info!(
+                        "memkv transport 'shm': the same-host socket never leaves this host \
+                         and carries no TLS; the tls settings are not used"
+                    );
+                }
                 Arc::new(shm::Shm::new(regions, shm_socket.clone()))
             }
             TransportChoice::Rdma => {
                 let r =
                     rdma::Rdma::open(provider.as_deref(), &cfg.rdma_devices, true, cfg.gpu_memory)
-                        .map_err(|e| format!("transport 'rdma': {e}"))?;
+                        .map_err(|e| format!("transport 'rdma': {e}"))?
+                        .control_over(tcp);
                 tracing::info!(
                     provider = r.provider(),
                     domain = r.domain(),
@@ -265,8 +304,13 @@ impl Client {
                 Arc::new(r)
             }
             TransportChoice::Auto => {
-                match open_auto(provider.as_deref(), &cfg.rdma_devices, cfg.gpu_memory) {
+                let rdma = match rdma_refused {
+                    Some(why) => Err(why.to_string()),
+                    None => open_auto(provider.as_deref(), &cfg.rdma_devices, cfg.gpu_memory),
+                };
+                match rdma {
                     Ok(r) => {
+                        let r = r.control_over(tcp);
                         tracing::info!(
                             provider = r.provider(),
                             domain = r.domain(),
@@ -283,7 +327,7 @@ impl Client {
                             tracing::info!(rdma_devices = ?cfg.rdma_devices, reason = %e,
                                 "memkv transport 'auto': no usable RDMA; using TCP");
                         });
-                        Arc::new(Tcp)
+                        Arc::new(tcp)
                     }
                 }
             }

@@ -32,6 +32,8 @@ const PROGRESS_EVERY: Duration = Duration::from_millis(20);
 
 /// Opens TCP control links, each with an RDMA endpoint beside it.
 pub struct Rdma {
+    /// Opens the control links (under TLS when the client has TLS settings).
+    control: Tcp,
     fab: Arc<Fabric>,
     cache: Arc<MrCache>,
     /// True for `rdma` (a server that refuses RDMA fails the connection), false for `auto`
@@ -50,10 +52,17 @@ impl Rdma {
     ) -> Result<Rdma, String> {
         let fab = Fabric::open_for(provider, devices, gpu_memory).map_err(|e| e.to_string())?;
         Ok(Rdma {
+            control: Tcp::plain(),
             cache: Arc::new(MrCache::new(fab.clone(), MR_CACHE_ENTRIES)),
             fab,
             strict,
         })
+    }
+
+    /// Opens the control links with `control` (TLS, when the client has it).
+    pub fn control_over(mut self, control: Tcp) -> Rdma {
+        self.control = control;
+        self
     }
 
     pub fn provider(&self) -> &str {
@@ -80,7 +89,7 @@ impl Transport for Rdma {
     }
 
     fn connect(&self, addr: &str, deadline: Instant) -> io::Result<Box<dyn Link>> {
-        let tcp = Tcp.connect_tcp(addr, deadline)?;
+        let tcp = self.control.connect_tcp(addr, deadline)?;
         let ep = Endpoint::open(&self.fab).map_err(io::Error::other)?;
         Ok(Box::new(RdmaLink {
             tcp,
@@ -178,7 +187,7 @@ impl OneSided for RdmaSide {
     }
 }
 
-/// A TCP control link that drives its endpoint's progress while it waits for a reply (software
+/// A TCP control link (plain or TLS) that drives its endpoint's progress while it waits for a reply (software
 /// providers move the server's reads and writes of our memory inside those calls).
 pub struct RdmaLink {
     tcp: TcpLink,
@@ -191,6 +200,9 @@ impl RdmaLink {
         let Some(side) = self.side.as_mut() else {
             return Ok(());
         };
+        if self.tcp.buffered() {
+            return Ok(()); // TLS has the reply's bytes already; the socket may have none left
+        }
         let fd = self.tcp.stream().as_raw_fd();
         loop {
             side.ep.progress().map_err(io::Error::other)?;

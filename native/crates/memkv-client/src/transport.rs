@@ -1,5 +1,7 @@
 //! The byte streams the client speaks its protocol over, and the seam for one-sided transfers.
-//! `Conn` frames requests on any `Link`; a transport only opens links. TCP is one. A link may
+//! `Conn` frames requests on any `Link`; a transport only opens links. TCP is one, plain or under
+//! TLS (`crate::tls`): every TCP link, RDMA's control link included, is a `TcpLink` opened by
+//! `Tcp`, so TLS covers them all in one place. A link may
 //! also have a `OneSided` side, through which the server itself reads (PUT) and writes (GET) the
 //! caller's memory, named by descriptors in the request, instead of the values travelling over
 //! the stream: RDMA (`crate::rdma`) is one.
@@ -12,8 +14,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use memkv_proto::{Descriptor, Opcode};
+use memkv_tls::ClientTls;
 
 use crate::buf::Buf;
+use crate::tls::TlsLink;
 
 /// A connected, ordered byte stream to one server whose reads and writes all fail with
 /// `ErrorKind::TimedOut` once the deadline set by `set_deadline` has passed, however the peer
@@ -103,12 +107,19 @@ pub(crate) fn left(deadline: Instant, now: Instant) -> io::Result<Duration> {
         .ok_or_else(deadline_passed)
 }
 
-/// Plain TCP with `TCP_NODELAY`.
-pub struct Tcp;
+/// TCP with `TCP_NODELAY`, under TLS when it has the client's TLS settings.
+#[derive(Clone, Default)]
+pub struct Tcp {
+    tls: Option<Arc<ClientTls>>,
+}
 
 impl Transport for Tcp {
     fn name(&self) -> &'static str {
-        "tcp"
+        if self.tls.is_some() {
+            "tcp+tls"
+        } else {
+            "tcp"
+        }
     }
 
     fn connect(&self, addr: &str, deadline: Instant) -> io::Result<Box<dyn Link>> {
@@ -117,18 +128,99 @@ impl Transport for Tcp {
 }
 
 impl Tcp {
+    /// Plaintext TCP.
+    pub fn plain() -> Tcp {
+        Tcp { tls: None }
+    }
+
+    /// TCP under TLS with `tls`.
+    pub fn tls(tls: Arc<ClientTls>) -> Tcp {
+        Tcp { tls: Some(tls) }
+    }
+
+    pub fn is_tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
     pub(crate) fn connect_tcp(&self, addr: &str, deadline: Instant) -> io::Result<TcpLink> {
         let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{addr}: no address"));
         for sa in addr.to_socket_addrs()? {
             match TcpStream::connect_timeout(&sa, left(deadline, Instant::now())?) {
                 Ok(stream) => {
                     stream.set_nodelay(true)?;
-                    return Ok(StreamLink::new(stream, deadline));
+                    let link = StreamLink::new(stream, deadline);
+                    return Ok(match &self.tls {
+                        None => TcpLink::Plain(link),
+                        Some(tls) => TcpLink::Tls(Box::new(TlsLink::handshake(tls, addr, link)?)),
+                    });
                 }
                 Err(e) => last = e,
             }
         }
         Err(last)
+    }
+}
+
+/// A TCP link, plain or under TLS.
+pub(crate) enum TcpLink {
+    Plain(StreamLink<TcpStream>),
+    Tls(Box<TlsLink>),
+}
+
+impl TcpLink {
+    pub(crate) fn stream(&self) -> &TcpStream {
+        match self {
+            TcpLink::Plain(l) => l.stream(),
+            TcpLink::Tls(l) => l.stream(),
+        }
+    }
+
+    pub(crate) fn deadline(&self) -> Instant {
+        match self {
+            TcpLink::Plain(l) => l.deadline(),
+            TcpLink::Tls(l) => l.deadline(),
+        }
+    }
+
+    /// Whether a read would find bytes that are no longer in the socket (TLS holds them).
+    pub(crate) fn buffered(&mut self) -> bool {
+        match self {
+            TcpLink::Plain(_) => false,
+            TcpLink::Tls(l) => l.buffered(),
+        }
+    }
+
+    fn inner(&mut self) -> &mut dyn Link {
+        match self {
+            TcpLink::Plain(l) => l,
+            TcpLink::Tls(l) => &mut **l,
+        }
+    }
+}
+
+impl Read for TcpLink {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.inner().read(buf)
+    }
+}
+
+impl Write for TcpLink {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.inner().write(buf)
+    }
+
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.inner().write_vectored(bufs)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner().flush()
+    }
+}
+
+impl Link for TcpLink {
+    fn set_deadline(&mut self, deadline: Instant) {
+        self.inner().set_deadline(deadline);
     }
 }
 
@@ -170,7 +262,13 @@ pub(crate) struct StreamLink<S: TimedStream> {
     write_armed: Option<Instant>,
 }
 
-pub(crate) type TcpLink = StreamLink<TcpStream>;
+impl StreamLink<TcpStream> {
+    /// Copies what has arrived into `buf` without taking it, waiting until the deadline.
+    pub(crate) fn peek(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.arm(true)?;
+        timeout_as_deadline(self.stream.peek(buf))
+    }
+}
 
 impl<S: TimedStream> StreamLink<S> {
     pub(crate) fn new(stream: S, deadline: Instant) -> StreamLink<S> {
@@ -267,7 +365,9 @@ mod tests {
             }
         });
         let t = Instant::now();
-        let mut link = Tcp.connect(&addr, t + Duration::from_millis(400)).unwrap();
+        let mut link = Tcp::plain()
+            .connect(&addr, t + Duration::from_millis(400))
+            .unwrap();
         let mut buf = [0u8; 1024];
         let err = link.read_exact(&mut buf).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);

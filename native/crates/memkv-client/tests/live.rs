@@ -11,6 +11,9 @@ use memkv_proto::{encode_key_lens, Header, HelloReply, Opcode, HEADER_LEN};
 use memkv_server::{Server, ServerConfig};
 use proptest::prelude::*;
 
+mod common;
+use common::{get, put};
+
 fn server(memory: u64, auth: Option<Vec<u8>>) -> Server {
     Server::start(ServerConfig {
         listen: "127.0.0.1:0".into(),
@@ -31,19 +34,6 @@ fn client(servers: &[&Server], auth: Option<Vec<u8>>) -> Arc<Client> {
         ..ClientConfig::default()
     })
     .unwrap()
-}
-
-fn put(c: &Client, key: &[u8], val: &[u8]) -> Status {
-    // SAFETY: `val` outlives the blocking call.
-    unsafe { c.put(&[key.to_vec()], &[Buf::of(val)])[0] }
-}
-
-fn get(c: &Client, key: &[u8], len: usize) -> (Status, Vec<u8>) {
-    let mut v = vec![0u8; len];
-    let b = Buf::of_mut(&mut v);
-    // SAFETY: `v` outlives the blocking call and is not touched meanwhile.
-    let s = unsafe { c.get(&[key.to_vec()], &[b])[0] };
-    (s, v)
 }
 
 #[test]

@@ -19,13 +19,14 @@ mod keys;
 mod testing;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use memkv_client::{exec::panic_message, Buf, Client, ClientConfig, Op, OpResult, Status};
 use memkv_client::{placement, TransportChoice};
 use memkv_client::{CompletionQueue, Lane};
+use memkv_tls::ClientTlsFiles;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -117,6 +118,27 @@ fn transport_choice(name: &str) -> PyResult<TransportChoice> {
     })
 }
 
+/// The client's TLS files: None without a CA; the rest needs one.
+fn tls_files(
+    ca: Option<PathBuf>,
+    server_name: Option<String>,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+) -> PyResult<Option<ClientTlsFiles>> {
+    match ca {
+        Some(ca) => Ok(Some(ClientTlsFiles {
+            ca,
+            server_name,
+            cert,
+            key,
+        })),
+        None if server_name.is_none() && cert.is_none() && key.is_none() => Ok(None),
+        None => Err(PyValueError::new_err(
+            "tls_server_name, tls_cert and tls_key need tls_ca",
+        )),
+    }
+}
+
 #[pyclass(frozen, name = "Client", module = "memkv_vllm._native")]
 struct PyClient {
     inner: Arc<Client>,
@@ -125,7 +147,7 @@ struct PyClient {
 #[pymethods]
 impl PyClient {
     #[new]
-    #[pyo3(signature = (servers, auth_key=None, connections_per_server=2, connect_timeout_s=1.0, op_timeout_s=10.0, io_threads=8, transport="tcp", rdma_devices=Vec::new(), gpu_memory=false))]
+    #[pyo3(signature = (servers, auth_key=None, connections_per_server=2, connect_timeout_s=1.0, op_timeout_s=10.0, io_threads=8, transport="tcp", rdma_devices=Vec::new(), gpu_memory=false, *, tls_ca=None, tls_server_name=None, tls_cert=None, tls_key=None, tls_allow_rdma=false))]
     #[expect(
         clippy::too_many_arguments,
         reason = "Python's keyword arguments of memkv_vllm._native.Client(...)"
@@ -140,6 +162,11 @@ impl PyClient {
         transport: &str,
         rdma_devices: Vec<String>,
         gpu_memory: bool,
+        tls_ca: Option<PathBuf>,
+        tls_server_name: Option<String>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
+        tls_allow_rdma: bool,
     ) -> PyResult<Self> {
         let ok = |t: f64| t > 0.0 && t.is_finite();
         if !(ok(connect_timeout_s) && ok(op_timeout_s)) {
@@ -159,6 +186,8 @@ impl PyClient {
             // The provider comes from MEMKV_RDMA_PROVIDER (else libfabric's first).
             rdma_provider: None,
             gpu_memory,
+            tls: tls_files(tls_ca, tls_server_name, tls_cert, tls_key)?,
+            tls_allow_rdma,
         };
         let inner = no_panic(|| Client::new(cfg))?.map_err(PyValueError::new_err)?;
         Ok(PyClient { inner })

@@ -28,6 +28,10 @@ use crate::tenants::{Tenant, TenantId};
 use crate::transport::Transport;
 use crate::verify::Verifier;
 
+/// What a TLS client on a plaintext listener is told (its own side names the setting too).
+const TLS_REFUSED: &str = "a TLS ClientHello to a plaintext server: start the server with \
+     --tls-cert and --tls-key, or remove the client's tls settings";
+
 /// What every connection shares.
 pub struct ConnCtx {
     /// The values, and the tenants whose credentials the handshake checks.
@@ -123,6 +127,13 @@ pub fn serve<T: Transport>(t: T, ctx: &ConnCtx, permit: Permit) {
     let m = &ctx.store.metrics;
     let (code, msg, kind) = match c.run() {
         End::Closed => return,
+        End::Io(e) if memkv_tls::TlsError::is(&e) => {
+            m.error("tls");
+            if let Some(dropped) = ctx.warn.allow() {
+                tracing::warn!(%peer, error = %e, dropped_warnings = dropped, "TLS refused");
+            }
+            return;
+        }
         End::Io(e) => {
             tracing::debug!(%peer, error = %e, "connection dropped");
             m.error("io");
@@ -143,6 +154,7 @@ pub fn serve<T: Transport>(t: T, ctx: &ConnCtx, permit: Permit) {
                 ErrorCode::Stalled => "handshake_timeout",
                 ErrorCode::Busy => "busy",
                 ErrorCode::Malformed => "malformed",
+                ErrorCode::BadMagic => "tls",
                 _ => "unauthenticated",
             };
             (code, msg, kind)
@@ -206,6 +218,13 @@ impl<'a, T: Transport> Conn<'a, T> {
         ok
     }
 
+    /// Who the peer's verified client certificate says it is: under mutual TLS
+    /// (`--tls-client-ca`) from the end of the TLS handshake, so by the time HELLO is handled;
+    /// None on plain TCP and the same-host socket.
+    pub fn client_identity(&self) -> Option<&memkv_tls::PeerIdentity> {
+        self.io.transport().peer_identity()
+    }
+
     /// HELLO done, and AUTH when the server has a key.
     fn ready(&self) -> bool {
         self.greeted && self.authed
@@ -220,6 +239,9 @@ impl<'a, T: Transport> Conn<'a, T> {
             };
             let h = match Header::decode(&hb) {
                 Ok(h) => h,
+                Err(_) if hb[0] == memkv_tls::HANDSHAKE_RECORD && hb[1] == 3 => {
+                    return End::Refused(ErrorCode::BadMagic, TLS_REFUSED.into())
+                }
                 Err(e) => return e.into(),
             };
             if !self.ready() {
@@ -294,6 +316,10 @@ impl<'a, T: Transport> Conn<'a, T> {
                     .map_err(|e| End::Io(io::Error::other(e.to_string())))?;
                 self.nonce = Some(nonce);
                 self.greeted = true;
+                if let Some(id) = self.client_identity() {
+                    tracing::debug!(peer = %self.io.transport().peer(), subject = %id.subject,
+                        "client certificate");
+                }
                 if self.ready() {
                     self.permit.authenticated();
                 } else {

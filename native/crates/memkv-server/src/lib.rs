@@ -1,7 +1,7 @@
 //! `memkv serve`: an in-memory store for KV-cache blocks.
 //!
 //! Read top-down: `server` (accept loop, shutdown) admits each connection under `limits` and
-//! hands it, as a `transport`, to `conn` (the session: handshake, then requests), which reads and
+//! hands it, as a `transport` (plain TCP, or TLS through `tls`), to `conn` (the session: handshake, then requests), which reads and
 //! writes frames through `frame` (deadlines) and runs one module of `cmd` per command on the
 //! `store` (lanes by key hash); each `lane` holds an index, S3-FIFO eviction, leases and pins
 //! over memory from `arena`; `verify` checks GET chunks ahead of the send; `metrics` counts it and
@@ -12,6 +12,7 @@
 pub mod arena;
 mod cmd;
 pub mod conn;
+pub mod disk;
 mod fault_guard;
 pub mod frame;
 pub mod lane;
@@ -25,6 +26,7 @@ pub mod shm;
 mod shm_tests;
 pub mod store;
 pub mod tenants;
+pub mod tls;
 pub mod transport;
 pub mod unix_transport;
 pub mod verify;

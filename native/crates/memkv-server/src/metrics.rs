@@ -60,7 +60,7 @@ fn tenant_figures(s: &Slot) -> [(&'static str, &'static str, &'static str, u64);
 }
 
 /// Error kinds counted separately; each is a label value of `memkv_errors_total`.
-pub const ERROR_KINDS: [&str; 20] = [
+pub const ERROR_KINDS: [&str; 21] = [
     "bad_magic",
     "bad_version",
     "malformed",
@@ -83,6 +83,8 @@ pub const ERROR_KINDS: [&str; 20] = [
     "connection_limit",
     // RDMA: an RDMA_HELLO refused (RDMA off, other provider, client endpoint unreachable), and
     // a read or write of client memory that failed (bad descriptor, revoked key, client gone).
+    // TLS: a failed handshake or record, or a plaintext client on the TLS listener.
+    "tls",
     "rdma_refused",
     "rdma_remote",
     // The same-host path: a SHM_REGION refused (a bound, not shared memory, no descriptor), a

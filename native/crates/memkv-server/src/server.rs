@@ -9,8 +9,10 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use memkv_proto::{self as proto, ErrorCode, Opcode};
+use memkv_tls::{ServerTls, ServerTlsFiles};
 
 use crate::conn::{self, ConnCtx};
+use crate::disk::{DiskConfig, DiskTier};
 use crate::frame::Timing;
 use crate::limits::{self, ByteBudget, ConnLimits, WarnLimiter};
 use crate::metrics_http;
@@ -18,6 +20,7 @@ use crate::rdma::{RdmaConfig, ServerFabric};
 use crate::shm::{ShmConfig, ShmListener, ShmShared};
 use crate::store::Store;
 use crate::tenants::Tenants;
+use crate::tls::TlsTransport;
 use crate::transport::{TcpTransport, Transport};
 use crate::verify::Verifier;
 
@@ -57,6 +60,13 @@ pub struct ServerConfig {
     pub rdma: Option<RdmaConfig>,
     /// Serve the same-host data path on a unix socket (`crate::shm`); None: off.
     pub shm: Option<ShmConfig>,
+    /// The disk tier behind DRAM (`crate::disk`); None: DRAM only. Its spill queue's staging
+    /// memory is taken out of `memory`.
+    pub disk: Option<DiskConfig>,
+    /// TLS 1.3 on the TCP listener (`crate::tls`); None: plaintext.
+    pub tls: Option<ServerTlsFiles>,
+    /// Serve RDMA beside TLS: its one-sided transfers move values outside TLS, in clear.
+    pub tls_allow_rdma: bool,
 }
 
 impl Default for ServerConfig {
@@ -77,6 +87,9 @@ impl Default for ServerConfig {
             drain_timeout: Duration::from_secs(10),
             rdma: None,
             shm: Some(ShmConfig::default()),
+            disk: None,
+            tls: None,
+            tls_allow_rdma: false,
         }
     }
 }
@@ -99,6 +112,7 @@ pub struct Server {
     threads: Vec<JoinHandle<()>>,
     limits: Arc<ConnLimits>,
     drain_timeout: Duration,
+    tls: Option<Arc<ServerTls>>,
 }
 
 /// `addr` as one or more socket addresses, or an error that says what is expected.
@@ -121,7 +135,7 @@ fn resolve(flag: &str, addr: &str) -> io::Result<Vec<SocketAddr>> {
 
 impl Server {
     /// Reserves memory, binds the listeners and starts serving in background threads.
-    pub fn start(cfg: ServerConfig) -> io::Result<Server> {
+    pub fn start(mut cfg: ServerConfig) -> io::Result<Server> {
         let listen = resolve("--listen", &cfg.listen)?;
         let tenants = match (&cfg.tenants, &cfg.auth_key) {
             (Some(_), Some(_)) => {
@@ -134,13 +148,26 @@ impl Server {
             (None, key) => Tenants::implicit(key.clone()),
         };
         let auth = tenants.auth_required();
-        let store = Store::with_tenants(cfg.memory, cfg.lanes, cfg.max_leased_fraction, tenants);
-        let store = store.map_err(|e| {
+        let tls = start_tls(&mut cfg)?;
+        let staging = cfg.disk.as_ref().map_or(0, |d| d.queue_bytes);
+        let lane_memory = cfg.memory.checked_sub(staging).ok_or_else(|| {
             io::Error::new(
-                e.kind(),
-                format!("--memory: cannot reserve {} bytes: {e}", cfg.memory),
+                io::ErrorKind::InvalidInput,
+                "--disk-queue must be smaller than --memory",
             )
         })?;
+        let mut store =
+            Store::with_tenants(lane_memory, cfg.lanes, cfg.max_leased_fraction, tenants).map_err(
+                |e| {
+                    io::Error::new(
+                        e.kind(),
+                        format!("--memory: cannot reserve {} bytes: {e}", cfg.memory),
+                    )
+                },
+            )?;
+        if let Some(d) = &cfg.disk {
+            store.attach_disk(DiskTier::open(d)?);
+        }
         let store = Arc::new(store);
         let rdma = cfg
             .rdma
@@ -196,7 +223,10 @@ impl Server {
         threads.push(
             std::thread::Builder::new()
                 .name("memkv-accept".into())
-                .spawn(move || accept_loop(listener, ctx, lim))?,
+                .spawn({
+                    let tls = tls.clone();
+                    move || accept_loop(listener, ctx, lim, tls)
+                })?,
         );
         let mut metrics_addr = None;
         if let Some(m) = &cfg.metrics_listen {
@@ -230,6 +260,11 @@ impl Server {
             } else {
                 0
             },
+            tls = match &tls {
+                Some(t) if t.mutual() => "mutual",
+                Some(_) => "on",
+                None => "off",
+            },
             buffer_budget_bytes = budget,
             metrics = %metrics_addr.map_or("off".to_string(), |a| a.to_string()),
             shm_socket = shm_socket.as_deref().unwrap_or("off"),
@@ -245,7 +280,16 @@ impl Server {
             threads,
             limits,
             drain_timeout: cfg.drain_timeout,
+            tls,
         })
+    }
+
+    /// Reads the TLS certificate and key files again (on SIGHUP): later handshakes present
+    /// them, open connections go on with the keys they agreed. On an error the old certificate
+    /// stays in use. Err when TLS is off.
+    pub fn reload_tls(&self) -> Result<(), String> {
+        let tls = self.tls.as_ref().ok_or("TLS is off (no --tls-cert)")?;
+        tls.reload()
     }
 
     /// Bytes of client regions the same-host path has mapped now (0 when it is off).
@@ -273,12 +317,52 @@ impl Server {
     }
 }
 
-fn accept_loop(listener: TcpListener, ctx: Arc<ConnCtx>, limits: Arc<ConnLimits>) {
+/// Loads the TLS files and settles what TLS rules out: RDMA without `tls_allow_rdma`, and the
+/// same-host socket under mutual TLS without an auth key (nothing would check who connects).
+fn start_tls(cfg: &mut ServerConfig) -> io::Result<Option<Arc<ServerTls>>> {
+    let Some(files) = &cfg.tls else {
+        return Ok(None);
+    };
+    let tls = ServerTls::new(files).map_err(|e| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("--tls-cert/--tls-key: {e}"),
+        )
+    })?;
+    if cfg.rdma.is_some() && !cfg.tls_allow_rdma {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "--rdma with --tls-cert: RDMA's one-sided transfers move values outside TLS, in \
+             clear on the fabric; add --tls-allow-rdma to accept that (docs/tls.md)",
+        ));
+    }
+    if tls.mutual() && cfg.auth_key.is_none() && cfg.shm.take().is_some() {
+        tracing::info!(
+            "same-host socket off: under --tls-client-ca without --auth-key nothing would \
+             check who connects to it (docs/tls.md)"
+        );
+    }
+    Ok(Some(Arc::new(tls)))
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    ctx: Arc<ConnCtx>,
+    limits: Arc<ConnLimits>,
+    tls: Option<Arc<ServerTls>>,
+) {
     let fd = listener.as_raw_fd();
-    serve_accepted(fd, &ctx, &limits, || {
-        let (stream, _) = listener.accept()?;
-        TcpTransport::new(stream)
-    });
+    match tls {
+        None => serve_accepted(fd, &ctx, &limits, || {
+            let (stream, _) = listener.accept()?;
+            TcpTransport::new(stream)
+        }),
+        Some(tls) => serve_accepted(fd, &ctx, &limits, || {
+            let (stream, _) = listener.accept()?;
+            let session = tls.connection().map_err(io::Error::other)?;
+            Ok(TlsTransport::new(TcpTransport::new(stream)?, session))
+        }),
+    }
 }
 
 /// Until shutdown: waits for `fd` (a listener) to be readable, takes the next connection with

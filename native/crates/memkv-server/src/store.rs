@@ -5,10 +5,13 @@ use std::time::Duration;
 
 use memkv_proto::Status;
 
+use crate::disk::stats::DramCounters;
+use crate::disk::DiskTier;
 use crate::lane::{Lane, LaneStats, Pinned, Reservation, Value};
 use crate::metrics::Metrics;
 use crate::tenants::usage::Usage;
 use crate::tenants::{TenantId, Tenants};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 pub struct Store {
@@ -18,6 +21,9 @@ pub struct Store {
     pub tenants: Arc<Tenants>,
     /// Each tenant's memory and counters, shared with the lanes.
     pub usage: Arc<Usage>,
+    /// The disk tier behind the lanes (`--disk`), when there is one.
+    disk: Option<Arc<DiskTier>>,
+    dram: DramCounters,
 }
 
 impl Store {
@@ -48,7 +54,23 @@ impl Store {
             metrics: Arc::default(),
             tenants: Arc::new(tenants),
             usage,
+            disk: None,
+            dram: DramCounters::default(),
         })
+    }
+
+    /// Puts `disk` behind the lanes: what they evict is spilled to it, and GET, EXISTS and
+    /// DELETE look there after DRAM.
+    pub fn attach_disk(&mut self, disk: Arc<DiskTier>) {
+        for lane in &self.lanes {
+            let d = disk.clone();
+            lane.set_spill(Arc::new(move |k: &[u8], v: Arc<Value>| d.offer(k, v)));
+        }
+        self.disk = Some(disk);
+    }
+
+    pub fn disk(&self) -> Option<&Arc<DiskTier>> {
+        self.disk.as_ref()
     }
 
     fn lane_index(&self, key: &[u8]) -> usize {
@@ -56,7 +78,7 @@ impl Store {
         (h % self.lanes.len() as u64) as usize
     }
 
-    fn lane(&self, key: &[u8]) -> &Lane {
+    pub(crate) fn lane(&self, key: &[u8]) -> &Lane {
         &self.lanes[self.lane_index(key)]
     }
 
@@ -74,6 +96,17 @@ impl Store {
         key: &[u8],
         len: u64,
     ) -> Result<Reservation<'_>, Status> {
+        self.reserve_for(tenant, key, len, None)
+    }
+
+    /// `reserve_as`, with the span aligned as `Lane::reserve_aligned` says when `align` is set.
+    pub(crate) fn reserve_for(
+        &self,
+        tenant: TenantId,
+        key: &[u8],
+        len: u64,
+        align: Option<u64>,
+    ) -> Result<Reservation<'_>, Status> {
         if len > self.max_value_len {
             return Err(Status::TooLarge);
         }
@@ -85,7 +118,12 @@ impl Store {
         }
         let home = self.lane_index(key);
         loop {
-            match self.lanes[home].reserve_as(tenant, key.len(), len) {
+            let lane = &self.lanes[home];
+            let res = match align {
+                None => lane.reserve_as(tenant, key.len(), len),
+                Some(a) => lane.reserve_aligned(tenant, key.len(), len, a),
+            };
+            match res {
                 Err(Status::OverQuota) => {
                     let n = self.lanes.len();
                     if !(0..n).any(|i| self.lanes[(home + i) % n].evict_own(tenant)) {
@@ -97,8 +135,13 @@ impl Store {
         }
     }
 
+    /// Makes a filled reservation visible under `key`. Any copy of an older value on disk is
+    /// forgotten after the new one is in DRAM, so no GET in between can find neither.
     pub fn commit(&self, key: &[u8], res: Reservation<'_>, checksums: Vec<u64>) {
-        self.lane(key).commit(key, res, checksums)
+        self.lane(key).commit(key, res, checksums);
+        if let Some(d) = &self.disk {
+            d.forget(key);
+        }
     }
 
     /// EXISTS of a batch, one (status, value length) per key in order, with a lease of at most
@@ -110,6 +153,7 @@ impl Store {
         if let [lane] = &self.lanes[..] {
             let at: Vec<u32> = (0..keys.len() as u32).collect();
             lane.exists(keys, &at, lease, &mut out);
+            self.exists_on_disk(keys, lease, &mut out);
             return out;
         }
         // A counting sort of the key positions by lane: `at[start[l]..start[l + 1]]` are lane
@@ -133,7 +177,19 @@ impl Store {
         for (l, lane) in self.lanes.iter().enumerate() {
             lane.exists(keys, &at[start[l]..start[l + 1]], lease, &mut out);
         }
+        self.exists_on_disk(keys, lease, &mut out);
         out
+    }
+
+    /// Answers from the disk tier the keys DRAM did not have.
+    fn exists_on_disk(&self, keys: &[&[u8]], lease: Duration, out: &mut [(Status, u64)]) {
+        let Some(d) = &self.disk else { return };
+        let now = std::time::Instant::now();
+        for (k, o) in keys.iter().zip(out.iter_mut()) {
+            if o.0 == Status::NotFound {
+                *o = d.exists(k, lease, now);
+            }
+        }
     }
 
     /// GET lookup. The first chunk (all of a value up to `CHECKSUM_CHUNK`) is verified here,
@@ -142,10 +198,17 @@ impl Store {
     /// pinned until the returned guard drops; NoSpace when the lane's pinned bytes are at their
     /// bound.
     pub fn fetch_verified(&self, key: &[u8]) -> Result<Pinned<'_>, Status> {
-        match self.lane(key).fetch(key)? {
-            None => Err(Status::NotFound),
-            Some(v) if v.chunk_ok(0) => Ok(v),
+        let v = match self.lane(key).fetch(key)? {
+            None => return self.fetch_from_disk(key),
             Some(v) => {
+                self.dram.hits.fetch_add(1, Relaxed);
+                self.dram.read_bytes.fetch_add(v.span.len(), Relaxed);
+                v
+            }
+        };
+        match v {
+            v if v.chunk_ok(0) => Ok(v),
+            v => {
                 self.drop_corrupt(key, &v);
                 Err(Status::Corrupt)
             }
@@ -159,8 +222,14 @@ impl Store {
         self.lane(key).drop_if_same(key, v);
     }
 
+    /// Deletes `key` from both tiers: from disk first, so that no GET in between promotes the
+    /// disk copy back into DRAM.
     pub fn delete(&self, key: &[u8]) -> Status {
-        self.lane(key).delete(key)
+        let on_disk = self.disk.as_ref().is_some_and(|d| d.forget(key));
+        match self.lane(key).delete(key) {
+            Status::NotFound if on_disk => Status::Ok,
+            s => s,
+        }
     }
 
     /// Every lane's memory (start, length), for RDMA registration.
@@ -189,16 +258,35 @@ impl Store {
     }
 
     pub fn stats_json(&self) -> String {
+        let lanes = self.lane_stats();
         let tenants = self.tenants.is_named().then(|| self.tenant_rows());
-        self.metrics
-            .to_json(&self.lane_stats(), self.lanes.len(), tenants.as_deref())
+        let mut v: serde_json::Value = serde_json::from_str(&self.metrics.to_json(
+            &lanes,
+            self.lanes.len(),
+            tenants.as_deref(),
+        ))
+        .expect("the metrics render valid JSON");
+        let disk = self.disk.as_ref().map(|d| {
+            let dirs = d.dirs().into_iter();
+            (
+                d.stats(),
+                dirs.map(|(p, g)| (p.display().to_string(), g)).collect(),
+            )
+        });
+        v["tiers"] = crate::disk::stats::tiers_json(&self.dram, &lanes, disk);
+        v.to_string()
     }
 
-    /// Prometheus text for `--metrics`.
+    /// The Prometheus text: the server's counters, the per-tenant and the per-tier ones.
     pub fn prometheus(&self) -> String {
+        let lanes = self.lane_stats();
         let tenants = self.tenants.is_named().then(|| self.tenant_rows());
-        self.metrics
-            .to_prometheus(&self.lane_stats(), tenants.as_deref())
+        let mut s = self.metrics.to_prometheus(&lanes, tenants.as_deref());
+        let disk = self.disk.as_ref().map(|d| d.stats());
+        s.push_str(&crate::disk::stats::tiers_prometheus(
+            &self.dram, &lanes, disk,
+        ));
+        s
     }
 
     /// Each tenant's name with its slot, in table order.

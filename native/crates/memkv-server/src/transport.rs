@@ -1,6 +1,6 @@
 //! The byte stream a connection runs over. The framing, the commands and the store see only this
 //! trait, so another transport (RDMA, with a control stream beside it) plugs in without touching
-//! them. TCP is the first implementation.
+//! them. TCP is the first implementation; `crate::tls` runs TLS over it.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -21,6 +21,11 @@ pub trait Transport: Send {
     /// Something that ends this connection from another thread: its reads and writes fail or
     /// see end of stream soon after.
     fn closer(&self) -> io::Result<Closer>;
+    /// Who the peer's verified client certificate says it is (mutual TLS, `crate::tls`); None
+    /// on other transports and before the TLS handshake is done.
+    fn peer_identity(&self) -> Option<&memkv_tls::PeerIdentity> {
+        None
+    }
     /// The oldest file descriptor the peer passed with its bytes and nobody took yet; only a
     /// unix socket carries them (`crate::unix_transport`).
     fn take_fd(&mut self) -> Option<OwnedFd> {
@@ -47,6 +52,24 @@ impl TcpTransport {
     }
 }
 
+impl TcpTransport {
+    /// Copies what has arrived into `buf` without taking it off the stream, waiting at most
+    /// `wait` for the first byte (errors as for `Transport::read`).
+    pub(crate) fn peek(&mut self, buf: &mut [u8], wait: Duration) -> io::Result<usize> {
+        self.arm_read(wait)?;
+        self.stream.peek(buf)
+    }
+
+    fn arm_read(&mut self, wait: Duration) -> io::Result<()> {
+        let wait = nonzero(wait);
+        if self.read_wait != Some(wait) {
+            self.stream.set_read_timeout(Some(wait))?;
+            self.read_wait = Some(wait);
+        }
+        Ok(())
+    }
+}
+
 /// A zero timeout means "block forever" to the socket API; the smallest real one stands in.
 fn nonzero(d: Duration) -> Duration {
     d.max(Duration::from_millis(1))
@@ -54,11 +77,7 @@ fn nonzero(d: Duration) -> Duration {
 
 impl Transport for TcpTransport {
     fn read(&mut self, buf: &mut [u8], wait: Duration) -> io::Result<usize> {
-        let wait = nonzero(wait);
-        if self.read_wait != Some(wait) {
-            self.stream.set_read_timeout(Some(wait))?;
-            self.read_wait = Some(wait);
-        }
+        self.arm_read(wait)?;
         self.stream.read(buf)
     }
 

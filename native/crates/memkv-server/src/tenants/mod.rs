@@ -135,6 +135,15 @@ impl Tenants {
             .map(|i| i as TenantId)
     }
 
+    /// The tenant whose prefix `key` starts with: the owner of a value read back from the disk
+    /// tier (prefixes never overlap, `file::check`, so there is at most one).
+    pub fn owner_of(&self, key: &[u8]) -> Option<TenantId> {
+        self.list
+            .iter()
+            .position(|t| t.may_name(key))
+            .map(|i| i as TenantId)
+    }
+
     pub fn get(&self, id: TenantId) -> &Tenant {
         &self.list[id as usize]
     }
