@@ -10,6 +10,7 @@ import hashlib
 import hmac
 import json
 import os
+import shutil
 import subprocess
 import time
 import urllib.request
@@ -18,9 +19,11 @@ from pathlib import Path
 import attrs
 import numpy as np
 import pytest
+from disk_fs import tmpfs_dir
 from memkv_procs import memkv_command
 from test_server import AUTH, HELLO, connect, header, read_frame
 from test_shm import Region, server_maps
+from tls_certs import Pki
 
 from memkv_vllm.core.backends import store_for
 from memkv_vllm.core.client import MemKVClient, Status, Tenant
@@ -274,3 +277,65 @@ def test_unreachable_servers_do_not_stop_the_startup_check(memkv_server_factory)
     store_for(c, cfg, key_prefix=(b"memkv/", "prefix")).close()
     assert time.monotonic() - t < 5
     assert json.dumps(c.tenants()) == "{}"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_a_verified_client_certificate_names_its_tenant_without_a_key(
+        memkv_server_factory, tmp_path) -> None:
+    """Under mutual TLS the subject of a client's verified certificate names its tenant: no
+    auth key, the tenant's prefix enforced and its values counted as its own. A certificate
+    whose subject names no tenant still needs a tenant's key."""
+    pki = Pki(tmp_path / "pki")
+    text = tenants_yaml().replace(
+        "  - name: team-b\n",
+        '  - name: team-b\n    client_cert_subject: "CN=engine-b, O=memkv tests"\n')
+    srv = tenant_server(memkv_server_factory, tmp_path, text,
+                        extra=pki.server_flags(client_ca=pki))
+
+    def tls_client(cn: str, **kw) -> MemKVClient:
+        cert, key = pki.issue(cn, cn, sans=())
+        return MemKVClient(MemKVConfig(servers=(srv.address,), tls_ca=str(pki.ca),
+                                       tls_cert=str(cert), tls_key=str(key), op_timeout_s=5.0,
+                                       **kw))
+
+    b = tls_client("engine-b")
+    assert b.put([b"b/x", b"a/x"], [b"v1", b"v2"]) == [Status.OK, Status.FORBIDDEN]
+    out = [bytearray(2)]
+    assert b.get_into([b"b/x"], out) == [Status.OK] and out == [b"v1"]
+    tenants = b.stats()[srv.address]["tenants"]
+    assert tenants["team-b"]["items"] == 1 and tenants["team-b"]["forbidden"] == 1
+    assert tenants["team-a"]["items"] == 0
+    assert tls_client("stranger").put([b"a/y"], [b"v"]) == [Status.AUTH_FAILED]
+    with_key = tls_client("stranger-with-key", auth_key=bytes.fromhex(KEY_A))
+    assert with_key.put([b"a/y"], [b"v"]) == [Status.OK]
+    assert with_key.stats()[srv.address]["tenants"]["team-a"]["items"] == 1
+
+
+def test_values_a_quota_evicts_spill_to_disk_and_come_back_as_their_tenants(
+        memkv_server_factory, tmp_path) -> None:
+    """A tenant at its quota evicts its own values, and those go to the disk tier like any
+    eviction; read back and promoted (the second hit), a value is its prefix's tenant's again:
+    charged to that tenant, within its quota, and to no other."""
+    with tmpfs_dir() as disk:
+        srv = tenant_server(memkv_server_factory, tmp_path, tenants_yaml(quota_a="4M"),
+                            memory="64M", lanes=1,
+                            extra=["--disk", str(disk), "--disk-size", "64M",
+                                   "--disk-queue", "16M"])
+        a = client(srv, KEY_A)
+        for i in range(8):
+            assert a.put([f"a/{i}".encode()], [np.full(MIB, i, np.uint8)]) == [Status.OK]
+        deadline = time.monotonic() + 30
+        while (disk_tier := server_stats(srv, KEY_A)["tiers"]["disk"])["queued_bytes"]:
+            assert time.monotonic() < deadline, disk_tier
+            time.sleep(0.05)
+        assert disk_tier["spills"] >= 4, disk_tier
+        buf = np.empty(MIB, np.uint8)
+        for _ in range(3):  # a disk hit, the promoting hit, then a DRAM hit
+            assert a.get_into([b"a/0"], [buf]) == [Status.OK] and (buf == 0).all()
+        st = server_stats(srv, KEY_A)
+        assert st["tiers"]["disk"]["promotions"] == 1, st["tiers"]
+        team_a, team_b = st["tenants"]["team-a"], st["tenants"]["team-b"]
+        assert 0 < team_a["used_bytes"] <= 4 * MIB and team_a["hits"] == 3, team_a
+        assert team_a["items"] == st["tiers"]["dram"]["items"], (team_a, st["tiers"])
+        assert team_b["used_bytes"] == 0 and team_b["items"] == 0, team_b
+        srv.kill()

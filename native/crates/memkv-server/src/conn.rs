@@ -319,6 +319,12 @@ impl<'a, T: Transport> Conn<'a, T> {
                 if let Some(id) = self.client_identity() {
                     tracing::debug!(peer = %self.io.transport().peer(), subject = %id.subject,
                         "client certificate");
+                    // Under mutual TLS a verified certificate whose subject names a tenant is
+                    // that tenant's credential: the connection is authenticated, no AUTH.
+                    if let Some(t) = store.tenants.by_subject(&id.subject) {
+                        self.tenant = t;
+                        self.authed = true;
+                    }
                 }
                 if self.ready() {
                     self.permit.authenticated();
@@ -326,7 +332,7 @@ impl<'a, T: Transport> Conn<'a, T> {
                     self.permit.greeted();
                 }
                 let reply = HelloReply {
-                    auth_required: store.tenants.auth_required(),
+                    auth_required: !self.authed,
                     nonce,
                     max_value_len: store.max_value_len,
                 };

@@ -23,7 +23,7 @@ pub struct Tenant {
     /// The 32-byte key of the HMAC-SHA256 challenge that names this tenant.
     pub auth_key: Option<Vec<u8>>,
     /// The subject of the client certificate that names this tenant under mutual TLS, as the
-    /// TLS layer renders a verified certificate's subject (e.g. `CN=team-a,O=example`).
+    /// TLS layer renders a verified certificate's subject (e.g. `CN=team-a, O=example`).
     pub cert_subject: Option<String>,
     /// Every key the tenant names must start with these bytes.
     pub prefix: Vec<u8>,
@@ -197,6 +197,15 @@ mod tests {
         assert_eq!(t.by_subject("CN=b,O=x"), None);
         assert_eq!(t.by_subject(""), None);
         assert!(t.auth_required());
+    }
+
+    #[test]
+    fn a_key_is_owned_by_the_tenant_whose_prefix_it_starts_with() {
+        let t = Tenants::named(vec![tenant("a", 1, "a/"), tenant("b", 2, "b/")]).unwrap();
+        assert_eq!(t.owner_of(b"b/x"), Some(1));
+        assert_eq!(t.owner_of(b"a/"), Some(0));
+        assert_eq!(t.owner_of(b"c/x"), None);
+        assert_eq!(Tenants::implicit(None).owner_of(b"c/x"), Some(0));
     }
 
     #[test]
