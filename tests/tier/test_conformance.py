@@ -300,9 +300,11 @@ def test_blocks_stored_in_memkv_are_announced(memkv_server, spec_engines, caplog
     events = _tier_events(a)
     stored = [k for ev in events if not ev.removed for k in ev.keys]
     assert sorted(stored) == sorted(keys)
-    medium = kvb.Medium.CPU if hasattr(kvb, "Medium") else "CPU"  # 0.26 names media by string
+    # STORAGE, not the CPU of the engine's own pool (docs/tier.md); 0.26 names media by string
+    medium = kvb.Medium.STORAGE if hasattr(kvb, "Medium") else "STORAGE"
     for ev in events:
         assert ev.medium == medium and ev.locality is kvb.Locality.REMOTE
+        assert getattr(ev, "ownership", "memkv") == "memkv"  # 0.32+: which tier announced it
     assert list(a.manager.take_events()) == []  # each event once
 
 
