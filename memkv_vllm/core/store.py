@@ -103,6 +103,8 @@ class BlockStore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
+        # Asked once: a runtime Protocol check costs microseconds, the flush runs every step.
+        self._sharded = isinstance(client, ShardedClient)
         self.options = opts = options or StoreOptions()
         self._clock = clock
         # key -> (verdict, expiry); insertion-ordered so the oldest entries go first when full.
@@ -220,9 +222,9 @@ class BlockStore:
         """One group per server where the client says where keys live (`ShardedClient`): each
         group's probe meets the lookup deadline on its own, so a partitioned server turns only its
         own keys into misses and the other servers' hits arrive when they answer."""
-        if isinstance(self._client, ShardedClient):
+        if self._sharded:
             try:
-                return self._client.by_server(keys)
+                return self._client.by_server(keys)  # type: ignore[union-attr]  # ShardedClient
             except Exception as e:  # placement is pure; still, one probe beats no probe
                 logger.warning("memkv: grouping %d keys by server failed (%s)", len(keys), e)
         return [keys]
