@@ -7,6 +7,7 @@ import urllib.request
 
 import numpy as np
 from dashboard import exposed, load, metric_names, queries
+from disk_fs import tmpfs_dir
 
 from memkv_vllm.core.client import MemKVClient, Status
 from memkv_vllm.core.config import MemKVConfig
@@ -22,18 +23,25 @@ def scrape(server) -> str:
 
 
 def test_every_server_metric_the_dashboard_queries_is_exported(memkv_server_factory) -> None:
-    srv = memkv_server_factory(metrics=True)
-    c = MemKVClient(MemKVConfig(servers=(srv.address,)))
-    assert c.put([b"d/1"], [np.ones(4096, np.uint8)]) == [Status.OK]
-    c.close()
+    with tmpfs_dir() as disk:
+        # With a disk tier, so that its series (memkv_disk_*, the disk rows of memkv_tier_*)
+        # are exported too.
+        srv = memkv_server_factory(metrics=True, extra=["--disk", str(disk), "--disk-size", "64M"])
+        c = MemKVClient(MemKVConfig(servers=(srv.address,)))
+        assert c.put([b"d/1"], [np.ones(4096, np.uint8)]) == [Status.OK]
+        c.close()
+        text = scrape(srv)
+        srv.kill()
     names = {m for m in metric_names(load()) if m.startswith("memkv_")}
-    missing = names - exposed(scrape(srv))
+    missing = names - exposed(text)
     assert not missing, f"the dashboard queries metrics the server does not export: {missing}"
     # What an operator looks at first is all there.
     for m in ("memkv_hits_total", "memkv_misses_total", "memkv_exists_hits_total",
               "memkv_bytes_in_total", "memkv_bytes_out_total", "memkv_evictions_total",
               "memkv_leases_granted_total", "memkv_leases_denied_total", "memkv_errors_total",
-              "memkv_memory_used_bytes", "memkv_memory_capacity_bytes"):
+              "memkv_memory_used_bytes", "memkv_memory_capacity_bytes", "memkv_tier_bytes",
+              "memkv_tier_hits_total", "memkv_tier_read_bytes_total", "memkv_tier_spills_total",
+              "memkv_tier_promotions_total", "memkv_disk_spill_dropped_total"):
         assert m in names, m
 
 

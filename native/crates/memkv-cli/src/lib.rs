@@ -2,6 +2,7 @@
 //! console script (which calls `run` through the extension module).
 
 pub mod bench;
+mod disk_args;
 mod net;
 pub mod stats_table;
 
@@ -112,6 +113,8 @@ struct ServeArgs {
     max_shm_mapped: String,
     #[command(flatten)]
     rdma: RdmaArgs,
+    #[command(flatten)]
+    disk: disk_args::DiskArgs,
 }
 
 /// The same-host data path of `memkv serve`, from its flags.
@@ -335,6 +338,7 @@ fn serve(a: ServeArgs) -> Result<i32, String> {
         min_rate,
         buffer_budget,
         rdma: a.rdma.server_config(),
+        disk: a.disk.config(memory)?,
         shm,
         ..ServerConfig::default()
     };

@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-const HEADER: [&str; 10] = [
+const HEADER: [&str; 12] = [
     "SERVER",
     "ITEMS",
     "MEMORY",
@@ -13,6 +13,8 @@ const HEADER: [&str; 10] = [
     "LOOKUP HITS",
     "PUTS",
     "EVICTED",
+    "DISK",
+    "DISK HITS",
     "CONNS",
     "ERRORS",
 ];
@@ -57,6 +59,8 @@ struct Row {
     exists_misses: u64,
     puts: u64,
     evictions: u64,
+    /// The disk tier's bytes, capacity and GET hits; None for a server without one.
+    disk: Option<(u64, u64, u64)>,
     connections: u64,
     errors: u64,
 }
@@ -73,6 +77,9 @@ impl Row {
             exists_misses: num(v, "exists_misses"),
             puts: num(v, "puts"),
             evictions: num(v, "evictions"),
+            disk: v
+                .pointer("/tiers/disk")
+                .map(|d| (num(d, "bytes"), num(d, "capacity_bytes"), num(d, "hits"))),
             connections: num(v, "connections"),
             errors: v
                 .get("errors")
@@ -91,6 +98,10 @@ impl Row {
         self.exists_misses += o.exists_misses;
         self.puts += o.puts;
         self.evictions += o.evictions;
+        if let Some((b, c, h)) = o.disk {
+            let (tb, tc, th) = self.disk.unwrap_or_default();
+            self.disk = Some((tb + b, tc + c, th + h));
+        }
         self.connections += o.connections;
         self.errors += o.errors;
     }
@@ -110,6 +121,10 @@ impl Row {
             ratio(self.exists_hits, self.exists_misses),
             self.puts.to_string(),
             self.evictions.to_string(),
+            self.disk.map_or("-".into(), |(b, c, _)| {
+                format!("{} / {}", bytes(b), bytes(c))
+            }),
+            self.disk.map_or("-".into(), |(_, _, h)| h.to_string()),
             self.connections.to_string(),
             self.errors.to_string(),
         ]
@@ -199,6 +214,23 @@ mod tests {
             lines[3]
         );
         assert_eq!(lines[4], "10.0.0.3:7390: DOWN (connection refused)");
+    }
+
+    #[test]
+    fn a_server_with_a_disk_tier_shows_its_bytes_and_hits() {
+        let d = json!({"tiers": {"disk": {"bytes": 5u64 << 30, "capacity_bytes": 1u64 << 40,
+                                          "hits": 17}}});
+        let rows = vec![
+            ("a:1".to_string(), Ok(d.clone())),
+            ("b:1".to_string(), Ok(d)),
+            ("c:1".to_string(), Ok(json!({}))),
+        ];
+        let out = render(&rows);
+        let lines: Vec<&str> = out.lines().collect();
+        assert!(lines[0].contains("DISK HITS"));
+        assert!(lines[1].contains("5.0 GiB / 1.0 TiB") && lines[1].contains(" 17 "));
+        assert!(lines[3].contains(" - "), "no disk tier: {}", lines[3]);
+        assert!(lines[4].contains("10.0 GiB / 2.0 TiB") && lines[4].contains(" 34 "));
     }
 
     #[test]

@@ -134,17 +134,35 @@ impl LaneMemory {
 
     /// First-fit allocation of `len` bytes (rounded up to ALIGN). None when no free span fits.
     pub fn alloc(self: &Arc<Self>, len: u64) -> Option<Span> {
-        let need = footprint(len);
+        self.alloc_aligned(len, ALIGN)
+    }
+
+    /// First-fit allocation of `len` bytes rounded up to `align` (a power of two, at least
+    /// ALIGN), starting at an address that is a multiple of `align`: the buffers of direct I/O,
+    /// whose address and length must be multiples of the device's block size.
+    pub fn alloc_aligned(self: &Arc<Self>, len: u64, align: u64) -> Option<Span> {
+        debug_assert!(align.is_power_of_two() && align >= ALIGN);
+        let need = len.max(1).div_ceil(align) * align;
+        let base = self.region.base as u64;
+        let start_of = |off: u64| (base + off).div_ceil(align) * align - base;
         let mut fl = self.free.lock().unwrap();
-        let (&off, &flen) = fl.spans.iter().find(|(_, &l)| l >= need)?;
+        let (&off, &flen) = fl
+            .spans
+            .iter()
+            .find(|(&o, &l)| start_of(o) - o + need <= l)?;
+        let start = start_of(off);
         fl.spans.remove(&off);
-        if flen > need {
-            fl.spans.insert(off + need, flen - need);
+        if start > off {
+            fl.spans.insert(off, start - off);
+        }
+        let end = start + need;
+        if off + flen > end {
+            fl.spans.insert(end, off + flen - end);
         }
         fl.used += need;
         Some(Span {
             mem: self.clone(),
-            off,
+            off: start,
             len,
             cap: need,
         })
@@ -185,6 +203,14 @@ impl Span {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The span's memory including its rounding past `len`: `cap` bytes, for a direct read
+    /// that must cover whole blocks.
+    pub fn as_mut_ptr_cap(&mut self) -> (*mut u8, usize) {
+        // SAFETY: [off, off+cap) lies inside the region and belongs to this span alone.
+        let p = unsafe { self.mem.region.base.add(self.off as usize) };
+        (p, self.cap as usize)
     }
 
     pub fn as_slice(&self) -> &[u8] {
@@ -243,6 +269,25 @@ mod tests {
         assert_eq!(m.used(), 0);
         // Everything merged back: the whole capacity fits again.
         assert!(m.alloc(64 * 1024).is_some());
+    }
+
+    #[test]
+    fn aligned_spans_start_on_the_boundary_and_free_whole() {
+        let m = LaneMemory::new(1 << 20).unwrap();
+        let _a = m.alloc(100).unwrap();
+        let mut b = m.alloc_aligned(5000, 4096).unwrap();
+        let (p, cap) = b.as_mut_ptr_cap();
+        assert_eq!((p as usize % 4096, cap), (0, 8192));
+        assert_eq!(b.len(), 5000);
+        let c = m.alloc(64).unwrap();
+        drop(b);
+        drop(c);
+        drop(_a);
+        assert_eq!(m.used(), 0);
+        assert!(
+            m.alloc(1 << 20).is_some(),
+            "the gap before the aligned span merged back"
+        );
     }
 
     #[test]

@@ -4,12 +4,13 @@
 //! hands it, as a `transport`, to `conn` (the session: handshake, then requests), which reads and
 //! writes frames through `frame` (deadlines) and runs one module of `cmd` per command on the
 //! `store` (lanes by key hash); each `lane` holds an index, S3-FIFO eviction, leases and pins
-//! over memory from `arena`; `verify` checks GET chunks ahead of the send; `metrics` counts it and
-//! `metrics_http` serves the counters on `--metrics`.
+//! over memory from `arena`; `verify` checks GET chunks ahead of the send; `disk` is the tier behind the lanes
+//! (`--disk`); `metrics` counts it and `metrics_http` serves the counters on `--metrics`.
 
 pub mod arena;
 mod cmd;
 pub mod conn;
+pub mod disk;
 mod fault_guard;
 pub mod frame;
 pub mod lane;

@@ -104,9 +104,7 @@ fn respond(head: &[u8], store: &Store) -> Option<Vec<u8>> {
         Ok(httparse::Status::Complete(_)) => {
             let path = req.path.unwrap_or_default();
             match (req.method, path.split('?').next()) {
-                (Some("GET" | "HEAD"), Some("/metrics")) => {
-                    ("200 OK", store.metrics.to_prometheus(&store.lane_stats()))
-                }
+                (Some("GET" | "HEAD"), Some("/metrics")) => ("200 OK", store.prometheus()),
                 (Some("GET" | "HEAD"), _) => ("404 Not Found", "see /metrics\n".into()),
                 _ => ("405 Method Not Allowed", "GET /metrics\n".into()),
             }

@@ -11,6 +11,7 @@ use std::time::Duration;
 use memkv_proto::{self as proto, ErrorCode, Opcode};
 
 use crate::conn::{self, ConnCtx};
+use crate::disk::{DiskConfig, DiskTier};
 use crate::frame::Timing;
 use crate::limits::{self, ByteBudget, ConnLimits, WarnLimiter};
 use crate::metrics_http;
@@ -52,6 +53,9 @@ pub struct ServerConfig {
     pub rdma: Option<RdmaConfig>,
     /// Serve the same-host data path on a unix socket (`crate::shm`); None: off.
     pub shm: Option<ShmConfig>,
+    /// The disk tier behind DRAM (`crate::disk`); None: DRAM only. Its spill queue's staging
+    /// memory is taken out of `memory`.
+    pub disk: Option<DiskConfig>,
 }
 
 impl Default for ServerConfig {
@@ -71,6 +75,7 @@ impl Default for ServerConfig {
             drain_timeout: Duration::from_secs(10),
             rdma: None,
             shm: Some(ShmConfig::default()),
+            disk: None,
         }
     }
 }
@@ -117,12 +122,23 @@ impl Server {
     /// Reserves memory, binds the listeners and starts serving in background threads.
     pub fn start(cfg: ServerConfig) -> io::Result<Server> {
         let listen = resolve("--listen", &cfg.listen)?;
-        let store = Store::new(cfg.memory, cfg.lanes, cfg.max_leased_fraction).map_err(|e| {
+        let staging = cfg.disk.as_ref().map_or(0, |d| d.queue_bytes);
+        let lane_memory = cfg.memory.checked_sub(staging).ok_or_else(|| {
             io::Error::new(
-                e.kind(),
-                format!("--memory: cannot reserve {} bytes: {e}", cfg.memory),
+                io::ErrorKind::InvalidInput,
+                "--disk-queue must be smaller than --memory",
             )
         })?;
+        let mut store =
+            Store::new(lane_memory, cfg.lanes, cfg.max_leased_fraction).map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("--memory: cannot reserve {} bytes: {e}", cfg.memory),
+                )
+            })?;
+        if let Some(d) = &cfg.disk {
+            store.attach_disk(DiskTier::open(d)?);
+        }
         let store = Arc::new(store);
         let rdma = cfg
             .rdma

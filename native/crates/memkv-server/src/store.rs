@@ -4,14 +4,20 @@ use std::time::Duration;
 
 use memkv_proto::Status;
 
+use crate::disk::stats::DramCounters;
+use crate::disk::DiskTier;
 use crate::lane::{Lane, LaneStats, Pinned, Reservation, Value};
 use crate::metrics::Metrics;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 pub struct Store {
     lanes: Vec<Lane>,
     pub max_value_len: u64,
     pub metrics: Arc<Metrics>,
+    /// The disk tier behind the lanes (`--disk`), when there is one.
+    disk: Option<Arc<DiskTier>>,
+    dram: DramCounters,
 }
 
 impl Store {
@@ -29,7 +35,23 @@ impl Store {
             lanes,
             max_value_len,
             metrics: Arc::default(),
+            disk: None,
+            dram: DramCounters::default(),
         })
+    }
+
+    /// Puts `disk` behind the lanes: what they evict is spilled to it, and GET, EXISTS and
+    /// DELETE look there after DRAM.
+    pub fn attach_disk(&mut self, disk: Arc<DiskTier>) {
+        for lane in &self.lanes {
+            let d = disk.clone();
+            lane.set_spill(Arc::new(move |k: &[u8], v: Arc<Value>| d.offer(k, v)));
+        }
+        self.disk = Some(disk);
+    }
+
+    pub fn disk(&self) -> Option<&Arc<DiskTier>> {
+        self.disk.as_ref()
     }
 
     fn lane_index(&self, key: &[u8]) -> usize {
@@ -37,7 +59,7 @@ impl Store {
         (h % self.lanes.len() as u64) as usize
     }
 
-    fn lane(&self, key: &[u8]) -> &Lane {
+    pub(crate) fn lane(&self, key: &[u8]) -> &Lane {
         &self.lanes[self.lane_index(key)]
     }
 
@@ -48,8 +70,13 @@ impl Store {
         self.lane(key).reserve(key.len(), len)
     }
 
+    /// Makes a filled reservation visible under `key`. Any copy of an older value on disk is
+    /// forgotten after the new one is in DRAM, so no GET in between can find neither.
     pub fn commit(&self, key: &[u8], res: Reservation<'_>, checksums: Vec<u64>) {
-        self.lane(key).commit(key, res, checksums)
+        self.lane(key).commit(key, res, checksums);
+        if let Some(d) = &self.disk {
+            d.forget(key);
+        }
     }
 
     /// EXISTS of a batch, one (status, value length) per key in order, with a lease of at most
@@ -61,6 +88,7 @@ impl Store {
         if let [lane] = &self.lanes[..] {
             let at: Vec<u32> = (0..keys.len() as u32).collect();
             lane.exists(keys, &at, lease, &mut out);
+            self.exists_on_disk(keys, lease, &mut out);
             return out;
         }
         // A counting sort of the key positions by lane: `at[start[l]..start[l + 1]]` are lane
@@ -84,7 +112,19 @@ impl Store {
         for (l, lane) in self.lanes.iter().enumerate() {
             lane.exists(keys, &at[start[l]..start[l + 1]], lease, &mut out);
         }
+        self.exists_on_disk(keys, lease, &mut out);
         out
+    }
+
+    /// Answers from the disk tier the keys DRAM did not have.
+    fn exists_on_disk(&self, keys: &[&[u8]], lease: Duration, out: &mut [(Status, u64)]) {
+        let Some(d) = &self.disk else { return };
+        let now = std::time::Instant::now();
+        for (k, o) in keys.iter().zip(out.iter_mut()) {
+            if o.0 == Status::NotFound {
+                *o = d.exists(k, lease, now);
+            }
+        }
     }
 
     /// GET lookup. The first chunk (all of a value up to `CHECKSUM_CHUNK`) is verified here,
@@ -93,10 +133,17 @@ impl Store {
     /// pinned until the returned guard drops; NoSpace when the lane's pinned bytes are at their
     /// bound.
     pub fn fetch_verified(&self, key: &[u8]) -> Result<Pinned<'_>, Status> {
-        match self.lane(key).fetch(key)? {
-            None => Err(Status::NotFound),
-            Some(v) if v.chunk_ok(0) => Ok(v),
+        let v = match self.lane(key).fetch(key)? {
+            None => return self.fetch_from_disk(key),
             Some(v) => {
+                self.dram.hits.fetch_add(1, Relaxed);
+                self.dram.read_bytes.fetch_add(v.span.len(), Relaxed);
+                v
+            }
+        };
+        match v {
+            v if v.chunk_ok(0) => Ok(v),
+            v => {
                 self.drop_corrupt(key, &v);
                 Err(Status::Corrupt)
             }
@@ -110,8 +157,14 @@ impl Store {
         self.lane(key).drop_if_same(key, v);
     }
 
+    /// Deletes `key` from both tiers: from disk first, so that no GET in between promotes the
+    /// disk copy back into DRAM.
     pub fn delete(&self, key: &[u8]) -> Status {
-        self.lane(key).delete(key)
+        let on_disk = self.disk.as_ref().is_some_and(|d| d.forget(key));
+        match self.lane(key).delete(key) {
+            Status::NotFound if on_disk => Status::Ok,
+            s => s,
+        }
     }
 
     /// Every lane's memory (start, length), for RDMA registration.
@@ -140,7 +193,30 @@ impl Store {
     }
 
     pub fn stats_json(&self) -> String {
-        self.metrics.to_json(&self.lane_stats(), self.lanes.len())
+        let lanes = self.lane_stats();
+        let mut v: serde_json::Value =
+            serde_json::from_str(&self.metrics.to_json(&lanes, self.lanes.len()))
+                .expect("the metrics render valid JSON");
+        let disk = self.disk.as_ref().map(|d| {
+            let dirs = d.dirs().into_iter();
+            (
+                d.stats(),
+                dirs.map(|(p, g)| (p.display().to_string(), g)).collect(),
+            )
+        });
+        v["tiers"] = crate::disk::stats::tiers_json(&self.dram, &lanes, disk);
+        v.to_string()
+    }
+
+    /// The Prometheus text: the server's counters and the per-tier ones.
+    pub fn prometheus(&self) -> String {
+        let lanes = self.lane_stats();
+        let mut s = self.metrics.to_prometheus(&lanes);
+        let disk = self.disk.as_ref().map(|d| d.stats());
+        s.push_str(&crate::disk::stats::tiers_prometheus(
+            &self.dram, &lanes, disk,
+        ));
+        s
     }
 }
 

@@ -13,7 +13,7 @@ mod s3fifo;
 mod testing;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use memkv_proto::Status;
@@ -56,6 +56,26 @@ impl Inner {
         self.leases.compact(&self.index, live);
     }
 
+    /// Indexes `value` under `key` (its charge already counted), replacing any older value.
+    fn insert(&mut self, key: Key, value: Arc<Value>, charge: u64) {
+        self.remove(&key);
+        let gen = self.next_gen;
+        self.next_gen += 1;
+        let in_main = self.queues.admit(&key, gen, value.span.len());
+        self.index.insert(
+            key,
+            Entry {
+                value,
+                gen,
+                freq: 0,
+                in_main,
+                lease_until: None,
+                charge,
+            },
+        );
+        self.compact();
+    }
+
     /// Unlinks `key`; its memory returns once no reader holds the value. Queue entries for it go
     /// stale (their generation no longer matches) and are skipped when popped.
     fn remove(&mut self, key: &[u8]) -> bool {
@@ -82,8 +102,14 @@ pub struct LaneStats {
     pub evictions: u64,
 }
 
+/// Where a lane hands the values it evicts (the disk tier's spill queue). Called without the
+/// lane's lock held; it must not block (it copies the value or drops it) and it is the last
+/// holder of the value, so the value's memory is free once it returns.
+pub type SpillHook = Arc<dyn Fn(&[u8], Arc<Value>) + Send + Sync>;
+
 pub struct Lane {
     mem: Arc<LaneMemory>,
+    spill: OnceLock<SpillHook>,
     inner: Mutex<Inner>,
     /// Bound on pinned bytes (leased or being sent), and on bytes being received.
     max_pinned_bytes: u64,
@@ -107,7 +133,13 @@ impl Lane {
             }),
             max_pinned_bytes,
             evictions: Default::default(),
+            spill: OnceLock::new(),
         })
+    }
+
+    /// Hands every value this lane evicts from now on to `hook` instead of dropping it.
+    pub fn set_spill(&self, hook: SpillHook) {
+        let _ = self.spill.set(hook);
     }
 
     pub fn capacity(&self) -> u64 {
@@ -138,19 +170,44 @@ impl Lane {
     /// evicted or the bytes being received are at their bound (the same share as pins: slow
     /// writers cannot reserve the whole lane, nor readers pin it).
     pub fn reserve(&self, key_len: usize, len: u64) -> Result<Reservation<'_>, Status> {
+        self.reserve_in(key_len, len, None)
+    }
+
+    /// `reserve`, with the span starting on a multiple of `align` and rounded up to one: the
+    /// buffer of a direct read from the disk tier.
+    pub fn reserve_aligned(
+        &self,
+        key_len: usize,
+        len: u64,
+        align: u64,
+    ) -> Result<Reservation<'_>, Status> {
+        self.reserve_in(key_len, len, Some(align))
+    }
+
+    fn reserve_in(
+        &self,
+        key_len: usize,
+        len: u64,
+        align: Option<u64>,
+    ) -> Result<Reservation<'_>, Status> {
         let charge = index_charge(key_len, len);
-        if footprint(len).saturating_add(charge) > self.capacity() {
+        let size = align.map_or(footprint(len), |a| len.max(1).div_ceil(a) * a);
+        if size.saturating_add(charge) > self.capacity() {
             return Err(Status::TooLarge);
         }
         let mut guard = self.inner.lock().unwrap();
-        let inner = &mut *guard;
-        if inner.receiving > 0 && inner.receiving + len > self.max_pinned_bytes {
+        if guard.receiving > 0 && guard.receiving + len > self.max_pinned_bytes {
             return Err(Status::NoSpace);
         }
         loop {
-            let need = footprint(len) + charge;
+            let inner = &mut *guard;
+            let need = size + charge;
             let room = self.mem.used() + inner.index_bytes + need <= self.capacity();
-            if let Some(span) = room.then(|| self.mem.alloc(len)).flatten() {
+            let alloc = || match align {
+                None => self.mem.alloc(len),
+                Some(a) => self.mem.alloc_aligned(len, a),
+            };
+            if let Some(span) = room.then(alloc).flatten() {
                 inner.index_bytes += charge;
                 inner.receiving += len;
                 return Ok(Reservation {
@@ -159,8 +216,15 @@ impl Lane {
                     charge,
                 });
             }
-            if !self.evict_one(inner) {
+            let Some((key, value)) = self.evict_one(inner) else {
                 return Err(Status::NoSpace);
+            };
+            // The spill copies the value out (or drops it), so the lock is not held meanwhile;
+            // dropping the value here without a spill frees its memory at once.
+            if let Some(spill) = self.spill.get() {
+                drop(guard);
+                spill(&key, value);
+                guard = self.inner.lock().unwrap();
             }
         }
     }
@@ -168,29 +232,35 @@ impl Lane {
     /// Makes a filled reservation visible under `key`, replacing any older value.
     pub fn commit(&self, key: &[u8], mut res: Reservation<'_>, checksums: Vec<u64>) {
         let span = res.span.take().expect("committed once");
-        let charge = res.charge;
         let value = Arc::new(Value { span, checksums });
-        let key: Key = Arc::from(key);
-        let mut guard = self.inner.lock().unwrap();
-        let inner = &mut *guard;
+        let mut inner = self.inner.lock().unwrap();
+        inner.receiving -= value.span.len();
+        inner.insert(Arc::from(key), value, res.charge);
+    }
+
+    /// A value read back from the disk tier, to send: committed under `key` (a promotion) when
+    /// `promote` agrees, asked under the lane's lock with whether `key` holds a value here now;
+    /// else sent without entering the index and freed when the send ends. Pinned either way,
+    /// like a GET hit.
+    pub fn commit_or_detach(
+        &self,
+        key: &[u8],
+        mut res: Reservation<'_>,
+        checksums: Vec<u64>,
+        promote: impl FnOnce(bool, &Arc<Value>) -> bool,
+    ) -> Pinned<'_> {
+        let span = res.span.take().expect("committed once");
+        let value = Arc::new(Value { span, checksums });
+        let mut inner = self.inner.lock().unwrap();
         let len = value.span.len();
         inner.receiving -= len;
-        inner.remove(&key);
-        let gen = inner.next_gen;
-        inner.next_gen += 1;
-        let in_main = inner.queues.admit(&key, gen, len);
-        inner.index.insert(
-            key,
-            Entry {
-                value,
-                gen,
-                freq: 0,
-                in_main,
-                lease_until: None,
-                charge,
-            },
-        );
-        inner.compact();
+        inner.in_transfer += len;
+        if promote(inner.index.contains_key(key), &value) {
+            inner.insert(Arc::from(key), value.clone(), res.charge);
+        } else {
+            inner.index_bytes -= res.charge;
+        }
+        Pinned { value, lane: self }
     }
 
     /// EXISTS of the keys `at` names in `keys`: each answer (status, value length) goes to the
@@ -294,16 +364,18 @@ impl Lane {
         }
     }
 
-    /// One S3-FIFO eviction step. False when nothing can be evicted (all leased or in transfer).
-    fn evict_one(&self, inner: &mut Inner) -> bool {
+    /// One S3-FIFO eviction step: the key and value it unlinked. None when nothing can be
+    /// evicted (all leased or in transfer).
+    fn evict_one(&self, inner: &mut Inner) -> Option<(Key, Arc<Value>)> {
         inner.leases.expire(&mut inner.index, Instant::now());
-        let Some(key) = inner.queues.victim(&mut inner.index, self.capacity() / 10) else {
-            return false;
-        };
+        let key = inner
+            .queues
+            .victim(&mut inner.index, self.capacity() / 10)?;
+        let value = inner.index.get(&key)?.value.clone();
         inner.remove(&key);
         self.evictions
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        true
+        Some((key, value))
     }
 }
 

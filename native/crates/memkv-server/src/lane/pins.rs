@@ -27,6 +27,22 @@ impl Reservation<'_> {
     }
 }
 
+impl<'a> Reservation<'a> {
+    /// The reserved memory, rounding included, for a direct read into it: the span of
+    /// `Lane::reserve_aligned` starts on its alignment and covers whole blocks.
+    pub fn raw_buf(&mut self) -> (*mut u8, usize) {
+        self.span
+            .as_mut()
+            .expect("filled before commit")
+            .as_mut_ptr_cap()
+    }
+
+    /// The lane this reservation belongs to.
+    pub fn lane(&self) -> &'a Lane {
+        self.lane
+    }
+}
+
 impl Drop for Reservation<'_> {
     fn drop(&mut self) {
         if let Some(span) = self.span.take() {
