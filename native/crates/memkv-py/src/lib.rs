@@ -25,8 +25,8 @@ use std::time::Duration;
 
 use memkv_client::{exec::panic_message, Buf, Client, ClientConfig, Op, OpResult, Status};
 use memkv_client::{placement, TransportChoice};
-use memkv_tls::ClientTlsFiles;
 use memkv_client::{CompletionQueue, Lane};
+use memkv_tls::ClientTlsFiles;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
