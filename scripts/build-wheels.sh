@@ -3,7 +3,8 @@
 #
 #   1. makes .venv-wheel (maturin, zig from the `ziglang` wheel, auditwheel) if missing or out of
 #      date: nothing but PyPI and crates.io is needed, no system compiler or glibc of the target;
-#   2. builds the sdist (maturin sdist) into dist/;
+#   2. builds the sdist (maturin sdist) into dist/ and checks that it holds the project, the Rust
+#      workspace and its lock file;
 #   3. for each target (WHEEL_TARGETS, default x86_64): one abi3 wheel (cp310-abi3: every CPython
 #      from 3.10 on), compiled with `maturin build --release --zig --compatibility manylinux_2_28`:
 #      zig links against glibc 2.28's symbols, so the wheel installs on RHEL/Rocky 8, Debian 10,
@@ -56,7 +57,13 @@ mkdir -p "$DIST"
 log "sdist"
 rm -f "$DIST"/memkv_vllm-*.tar.gz
 maturin sdist --out "$DIST"
-ls -l "$DIST"/memkv_vllm-*.tar.gz
+sdist=$(ls "$DIST"/memkv_vllm-*.tar.gz)
+# What `pip install` of the sdist builds from: the project, the Rust workspace and its lock file.
+listing=$(tar tzf "$sdist")
+for f in pyproject.toml native/Cargo.lock native/crates/memkv-py/Cargo.toml memkv_vllm/cli.py; do
+  grep -q "^memkv_vllm-[^/]*/$f\$" <<<"$listing" || { echo "FAIL: $f is not in $sdist" >&2; exit 1; }
+done
+echo "sdist $(basename "$sdist"): $(stat -c %s "$sdist") bytes, $(grep -c . <<<"$listing") files"
 
 check_wheel() {  # check_wheel <wheel>: tag, auditwheel report, size
   local whl="$1" report="$1.auditwheel.txt"
@@ -67,7 +74,8 @@ check_wheel() {  # check_wheel <wheel>: tag, auditwheel report, size
   auditwheel show "$whl" | tee "$report"
   # auditwheel's verdict on the tag, and no library it would have to bundle (one outside the
   # policy's allowed system libraries would be listed after "system libraries" as needed).
-  grep -q "is consistent with the following platform tag: \"$POLICY" "$report" || {
+  # (auditwheel wraps its lines: compare with the whitespace squeezed.)
+  tr -s ' \n' '  ' <"$report" | grep -q "is consistent with the following platform tag: \"$POLICY" || {
     echo "FAIL: auditwheel does not find $(basename "$whl") consistent with $POLICY" >&2
     return 1
   }
@@ -92,4 +100,4 @@ for target in $TARGETS; do
   log "auditwheel show $(basename "$whl")"
   check_wheel "$whl"
 done
-log "done: $(cd "$DIST" && ls memkv_vllm-* | tr '\n' ' ')"
+log "done: $(find "$DIST" -maxdepth 1 -name 'memkv_vllm-*' -printf '%f ')"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The built wheel, tested from the wheel alone: bash scripts/test-wheel.sh [WHEEL] [-- PYTEST_ARGS]
 #
-# For each Python of WHEEL_PYTHONS (default "3.10 3.11 3.12 3.13"), found as python3.X on PATH
-# or in pyenv's versions:
+# For each Python of WHEEL_PYTHONS (default "3.10 3.11 3.12 3.13"), found in pyenv's versions or
+# as python3.X on PATH:
 #   1. a clean venv /tmp/memkv-wheel-py3.X (remade every run), with no Rust on PATH (~/.cargo/bin
 #      and every folder holding cargo or rustc are dropped) and nothing from this tree on
 #      PYTHONPATH;
@@ -65,22 +65,22 @@ for d in "${dirs[@]}"; do
   NORUST_PATH="${NORUST_PATH:+$NORUST_PATH:}$d"
 done
 
-find_python() {  # find_python 3.X: prints an interpreter of that version, or nothing
+find_python() {  # find_python 3.X: prints a working interpreter of that version, or nothing
   local v="$1" p root
-  p=$(command -v "python$v" 2>/dev/null || true)
-  if [[ -z "$p" ]]; then
-    root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
-    p=$(find "$root/versions" -maxdepth 3 -path "*/versions/$v.*/bin/python$v" 2>/dev/null \
-      | sort -V | tail -n1)
-  fi
-  [[ -n "$p" && -x "$p" ]] && echo "$p"
+  root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+  # pyenv's shims are on PATH even for versions not selected: try its versions first.
+  for p in $(find "$root/versions" -maxdepth 3 -path "*/versions/$v.*/bin/python$v" 2>/dev/null \
+      | sort -rV) "$(command -v "python$v" 2>/dev/null)"; do
+    [[ -n "$p" ]] && "$p" -c 'import venv' 2>/dev/null && { echo "$p"; return 0; }
+  done
+  return 1
 }
 
 # Every command checked by hand: set -e does not apply inside a function called with `||`.
 # shellcheck disable=SC2329  # invoked through the loop below
 test_in() {  # test_in <python> <venv>: steps 1-4; pytest's last line is the summary
   local py="$1" venv="$2" vpy="$2/bin/python" addr="" out pid rc=0
-  local run=(env PATH="$venv/bin:$NORUST_PATH")
+  local run=(env -u PYTHONPATH PATH="$venv/bin:$NORUST_PATH")
   rm -rf "$venv"
   "$py" -m venv "$venv" || return 1
   "${run[@]}" "$vpy" -m pip install -q --upgrade pip || return 1
@@ -133,7 +133,7 @@ for v in ${WHEEL_PYTHONS:-3.10 3.11 3.12 3.13}; do
   logf=$(mktemp /tmp/memkv-wheel-py"$v".XXXXXX.log)
   test_in "$py" "/tmp/memkv-wheel-py$v" 2>&1 | tee "$logf" || rc=$?
   result=$(grep -E '^(=+ )?[0-9]+ (passed|failed)|no tests ran' "$logf" | tail -n1 | tr -d '=' \
-    | sed 's/^ *//; s/ *$//')
+    | sed 's/^ *//; s/ *$//' || true)
   if ((rc != 0)); then FAILED=1; verdict="FAIL (exit $rc)"; else verdict=PASS; fi
   SUMMARY+=("$(printf '%-14s %-14s %5ss  %s' "Python $v" "$verdict" "$(( $(date +%s) - ts ))" \
     "${result:-no pytest summary: see $logf}")")
