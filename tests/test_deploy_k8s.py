@@ -127,7 +127,8 @@ def test_the_server_takes_every_flag_and_variable_the_manifest_sets() -> None:
 def test_the_engines_list_every_server_by_its_stable_name() -> None:
     objs = manifests()
     sts, svc = objs["StatefulSet"], objs["Service"]
-    assert svc["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
     assert svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
     assert objs["PodDisruptionBudget"]["spec"]["selector"] == sts["spec"]["selector"]
     data_port = {p["name"]: p["port"] for p in svc["spec"]["ports"]}["data"]

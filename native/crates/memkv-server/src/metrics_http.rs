@@ -115,10 +115,11 @@ fn respond(head: &[u8], store: &Store) -> Option<Vec<u8>> {
                     let _ = store.lane_stats();
                     ("200 OK", "ok\n".into())
                 }
-                (Some("GET" | "HEAD"), _) => {
-                    ("404 Not Found", "see /metrics or /healthz\n".into())
-                }
-                _ => ("405 Method Not Allowed", "GET /metrics or /healthz\n".into()),
+                (Some("GET" | "HEAD"), _) => ("404 Not Found", "see /metrics or /healthz\n".into()),
+                _ => (
+                    "405 Method Not Allowed",
+                    "GET /metrics or /healthz\n".into(),
+                ),
             }
         }
     };
