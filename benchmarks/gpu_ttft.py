@@ -82,10 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--chunk-tokens", type=int, default=256,
                     help="tokens per offloaded block (tier and direct mode's block_size; a "
                          "multiple of vLLM's GPU block size, 16)")
-    ap.add_argument("--cpu-gib", type=float, default=8.0,
+    ap.add_argument("--cpu-gib", type=float, default=24.0,
                     help="vLLM's CPU pool (must hold the longest prefix)")
     ap.add_argument("--server-memory", default="24G", help="memkv serve --memory")
     ap.add_argument("--server-lanes", type=int, default=8)
+    ap.add_argument("--connections", type=int, default=0,
+                    help="connections_per_server of every memkv client (0: memkv_vllm's default)")
     ap.add_argument("--same-host-transport", default="shm",
                     help="memkv_vllm transport name of a same-host path (direct-samehost)")
     ap.add_argument("--device", choices=sorted(ENGINE_ARGS), default="cuda")
@@ -146,9 +148,15 @@ def tier_config(args: argparse.Namespace, server: str, prefix: str, fs_root: str
                 memkv: bool, fs: bool, transport: str = "") -> dict:
     kv = kv_transfer_config(server, prefix, int(args.cpu_gib * (1 << 30)))
     extra = kv["kv_connector_extra_config"]
-    if transport:
-        for tier in extra["secondary_tiers"]:
+    for tier in extra["secondary_tiers"]:
+        # The writer stores every prompt at once (7.6 GB at 2K-32K): with the default 2 GiB
+        # backlog the tier sheds the rest, as it should under load, and the readers would miss.
+        # The stores only reference pool blocks, so the pool itself bounds them here.
+        tier["max_store_backlog_mb"] = int(args.cpu_gib * 1024)
+        if transport:
             tier["transport"] = transport
+        if args.connections:
+            tier["connections_per_server"] = args.connections
     extra["block_size"] = args.chunk_tokens
     extra["secondary_tiers"] = ((extra["secondary_tiers"] if memkv else [])
                                 + ([{"type": "fs", "root_dir": fs_root}] if fs else []))
@@ -162,6 +170,8 @@ def direct_config(args: argparse.Namespace, server: str, prefix: str,
                    "block_size": args.chunk_tokens}
     if transport:
         extra["transport"] = transport
+    if args.connections:
+        extra["connections_per_server"] = args.connections
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": extra}
 
@@ -226,9 +236,10 @@ def same_host(run: Run, args: argparse.Namespace, results: dict[str, dict], mode
     results[mode] = {n: r["prompts"][str(n)] for n in args.prefixes}
 
 
-def run_engines(run: Run, args: argparse.Namespace, kv_token: int) -> dict[str, dict]:
-    """{mode: {prefix: {ttft_s, cached}}} for the modes asked for."""
-    modes, results = set(args.modes), {}
+def run_engines(run: Run, args: argparse.Namespace, results: dict[str, dict]) -> None:
+    """Fills `results` ({mode: {prefix: {ttft_s, cached}}}) for the modes asked for, mode by
+    mode, so a failed engine leaves the figures of those before it."""
+    modes = set(args.modes)
     tag = uuid.uuid4().hex[:8]
     fs_root = f"/dev/shm/memkv-gpu-ttft-fs-{tag}"
     try:
@@ -253,8 +264,10 @@ def run_engines(run: Run, args: argparse.Namespace, kv_token: int) -> dict[str, 
                                                  False, True))
                 results["fs"] = {n: r["prompts"][str(n)] for n in args.prefixes}
         if modes & {"direct", "direct-samehost"}:
-            run.engine("direct-writer", direct_config(args, run.server, f"direct-{tag}"),
-                       new_items=chunks(args))
+            w = run.engine("direct-writer", direct_config(args, run.server, f"direct-{tag}"),
+                           new_items=chunks(args))
+            # A run of the direct modes alone (one device slot each) takes cold from this writer.
+            results.setdefault("cold", {n: w["prompts"][str(n)] for n in args.prefixes})
             if "direct" in modes:
                 r = run.engine("direct", direct_config(args, run.server, f"direct-{tag}"))
                 results["direct"] = {n: r["prompts"][str(n)] for n in args.prefixes}
@@ -263,7 +276,6 @@ def run_engines(run: Run, args: argparse.Namespace, kv_token: int) -> dict[str, 
                     args, run.server, f"direct-{tag}", t))
     finally:
         shutil.rmtree(fs_root, ignore_errors=True)
-    return results
 
 
 def pinned_h2d_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float:
@@ -329,8 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[gpu_ttft] model {args.shape} in {model}, prefixes {args.prefixes}, "
           f"modes {args.modes}, logs in {work}", flush=True)
     server = MemKVServer(memory=args.server_memory, lanes=args.server_lanes).start()
+    results: dict[str, dict] = {}
+    failed = ""
     try:
-        results = run_engines(Run(args, work, model, server), args, kv_token)
+        run_engines(Run(args, work, model, server), args, results)
+    except (SystemExit, subprocess.TimeoutExpired) as e:
+        failed = str(e)  # print what ran before the failure
+        print(f"[gpu_ttft] stopped: {failed}; memkv server log tail:\n{server.log()[-3000:]}",
+              flush=True)
     finally:
         server.kill()
     h2d = pinned_h2d_gbps()
@@ -338,8 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, h2d, kv_token)
     if args.json:
         Path(args.json).write_text(json.dumps({"h2d_gbps": h2d, "kv_bytes_per_token": kv_token,
-                                               "args": vars(args), "rows": rows}, indent=1))
-    return 0
+                                               "args": vars(args), "rows": rows,
+                                               "failed": failed}, indent=1))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

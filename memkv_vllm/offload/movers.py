@@ -30,6 +30,7 @@ import numpy as np
 
 from memkv_vllm.offload.cuda_driver import cuda_driver
 from memkv_vllm.offload.paged import Entry, PagedKV
+from memkv_vllm.offload.shared_host import SharedHostBuffer
 
 MEDIUMS = ("auto", "host", "gpu")
 
@@ -68,6 +69,7 @@ class Mover(Protocol):
 
     medium: str
     io: Any  # the uint8 tensor the transport reads and writes (slot i at i * slot_bytes)
+    scratch_reason: str  # where the host slots live and why (memfd, pinned), for the startup log
 
     def ready_marker(self) -> Any:
         """Called at submit on the caller's thread: marks the point of the caller's compute
@@ -157,7 +159,9 @@ class HostMover:
         import torch
 
         self.kv, self.slot_bytes = kv, slot_bytes
-        self.io = torch.empty(slots * slot_bytes, dtype=torch.uint8)
+        self._buf = SharedHostBuffer(torch, slots * slot_bytes, pin=False)
+        self.io = self._buf.tensor
+        self.scratch_reason = self._buf.reason
         self._base = int(self.io.data_ptr())
 
     def ready_marker(self) -> Any:
@@ -179,7 +183,8 @@ class HostMover:
         return _Done()
 
     def close(self) -> None:
-        return None
+        self.io = None
+        self._buf.close()
 
 
 # ------------------------------------------------------------------------------ CUDA batch copies
@@ -256,11 +261,13 @@ class CudaMover:
         self.staged = medium == "gpu" and not device_io
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)
-            self.host = (torch.empty(slots * slot_bytes, dtype=torch.uint8, pin_memory=True)
+            self._buf = (SharedHostBuffer(torch, slots * slot_bytes, pin=True)
                          if medium == "host" or self.staged else None)
+            self.host = self._buf.tensor if self._buf is not None else None
             self.dev = (torch.empty(slots * slot_bytes, dtype=torch.uint8, device=self.device)
                         if medium == "gpu" else None)
         self.io = self.host if self.host is not None else self.dev
+        self.scratch_reason = self._buf.reason if self._buf is not None else "GPU scratch"
         self._attrs = _CUmemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
         self._host_base = int(self.host.data_ptr()) if self.host is not None else 0
         self._dev_base = int(self.dev.data_ptr()) if self.dev is not None else 0
@@ -374,6 +381,9 @@ class CudaMover:
 
     def close(self) -> None:
         self.stream.synchronize()
+        if self._buf is not None:
+            self.host = self.io = None
+            self._buf.close()
 
 
 def kv_aligned(kv: PagedKV) -> bool:

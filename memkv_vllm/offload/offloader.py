@@ -156,7 +156,7 @@ class KVOffloader:
               "staged through pinned host slots" if self.medium == "gpu" else "")
         return (f"value {self.kv.max_value_bytes} B, {self.n_slots} scratch slots of "
                 f"{self.slot_bytes} B ({self.n_slots * self.slot_bytes >> 20} MiB), "
-                f"medium {self.medium}{f' ({io})' if io else ''}, "
+                f"medium {self.medium}{f' ({io})' if io else ''}, {self.mover.scratch_reason}, "
                 f"{self.batch_values} values per batch")
 
     # ----------------------------------------------------------------------------- submit
@@ -471,5 +471,7 @@ class KVOffloader:
                 self._finish(job)
             self._io.clear()
             self._copying.clear()
-        self.mover.close()
+        # The store first: once it is closed no transfer of its own reads or writes the scratch,
+        # which the mover then unpins and unmaps.
         self._store.close(timeout)
+        self.mover.close()

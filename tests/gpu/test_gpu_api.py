@@ -24,7 +24,7 @@ from vllm_procs import (
     complete,
     free_port,
     kill_group_left,
-    shm_mappings,
+    mapped_shm_inodes,
     start_api_server,
     stop_group,
     wait_healthy,
@@ -100,9 +100,17 @@ def serve_and_stop(tier: dict, name: str, stop: signal.Signals,
 
 
 def remove_unmapped_queues(left: set[Path]) -> None:
-    live = shm_mappings([int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()])
+    """Removes the queues and semaphores in `left` that no live process maps, by inode (a
+    semaphore is mapped under a temporary name by the process that creates it)."""
+    in_use = mapped_shm_inodes()
     for p in left:
-        if p.name.startswith(QUEUES) and str(p) not in live:
+        if not p.name.startswith(QUEUES):
+            continue
+        try:
+            ino = p.stat().st_ino
+        except FileNotFoundError:
+            continue
+        if ino not in in_use:
             p.unlink(missing_ok=True)
 
 
