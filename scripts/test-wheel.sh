@@ -17,8 +17,12 @@
 #      (tests/test_server_rdma.py) skip themselves.
 # A summary line per Python at the end. Pythons not found are reported SKIPPED, not failed.
 #
-# Options: --quick  deselect the slow tests (-m 'not slow'; CI, where scripts/test.sh runs them
-#                   from the source build already);
+# Options: --quick  for CI's time budget: the suite without the slow tests (-m 'not slow'; CI's
+#                   scripts/test.sh ran them from the source build) on the oldest and the newest
+#                   Python (3.10, 3.13), and on those between only the smoke checks of step 3 and
+#                   the client, server, CLI and config tests (SMOKE_TESTS below). The wheel is
+#                   one abi3 binary for all of them; the ends of the range bracket the stdlib and
+#                   language changes the Python code meets;
 #          anything after `--` goes to pytest.
 # Env: WHEEL_PYTHONS, PIP_ARGS (extra pip install arguments, e.g. --no-index --find-links DIR).
 set -euo pipefail
@@ -31,7 +35,7 @@ while (($#)); do
   case "$1" in
     --quick) QUICK=1 ;;
     --) shift; PYTEST_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     -*) echo "test-wheel.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) WHEEL="$1" ;;
   esac
@@ -46,6 +50,7 @@ fi
   exit 2
 }
 ((QUICK)) && PYTEST_ARGS=(-m "not slow" "${PYTEST_ARGS[@]}")
+SMOKE_TESTS=(tests/test_client.py tests/test_server.py tests/test_cli.py tests/test_config.py)
 # The [test] extra of pyproject.toml: pytest and the libraries the suite imports.
 TEST_DEPS=$(python3 -c 'import tomllib; print(" ".join(
   tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]))' \
@@ -78,8 +83,9 @@ find_python() {  # find_python 3.X: prints a working interpreter of that version
 
 # Every command checked by hand: set -e does not apply inside a function called with `||`.
 # shellcheck disable=SC2329  # invoked through the loop below
-test_in() {  # test_in <python> <venv>: steps 1-4; pytest's last line is the summary
+test_in() {  # test_in <python> <venv> <test paths...>: steps 1-4; pytest's last line is the summary
   local py="$1" venv="$2" vpy="$2/bin/python" addr="" out pid rc=0
+  shift 2
   local run=(env -u PYTHONPATH PATH="$venv/bin:$NORUST_PATH")
   rm -rf "$venv"
   "$py" -m venv "$venv" || return 1
@@ -117,7 +123,7 @@ print("memkv_vllm from", memkv_vllm.__file__, "| extension", n.__file__, "| no R
   "${run[@]}" memkv bench --sizes 64K --threads 1 --volume 8M --memory 64M --repeat 1 \
     --keys 10 || return 1
   echo "pytest tests/ ($("$vpy" --version))"
-  "${run[@]}" "$venv/bin/pytest" tests -q -ra -p no:cacheprovider "${PYTEST_ARGS[@]}"
+  "${run[@]}" "$venv/bin/pytest" "$@" -q -ra -p no:cacheprovider "${PYTEST_ARGS[@]}"
 }
 
 log "wheel $(basename "$WHEEL") ($(du -h "$WHEEL" | cut -f1)); Pythons: ${WHEEL_PYTHONS:-3.10 3.11 3.12 3.13}"
@@ -131,13 +137,16 @@ for v in ${WHEEL_PYTHONS:-3.10 3.11 3.12 3.13}; do
   log "Python $v ($py): clean venv, the wheel, the vLLM-free suite"
   ts=$(date +%s) rc=0
   logf=$(mktemp /tmp/memkv-wheel-py"$v".XXXXXX.log)
-  test_in "$py" "/tmp/memkv-wheel-py$v" 2>&1 | tee "$logf" || rc=$?
+  selection=(tests)
+  if ((QUICK)) && [[ "$v" != 3.10 && "$v" != 3.13 ]]; then selection=("${SMOKE_TESTS[@]}"); fi
+  echo "tests: ${selection[*]}"
+  test_in "$py" "/tmp/memkv-wheel-py$v" "${selection[@]}" 2>&1 | tee "$logf" || rc=$?
   result=$(grep -E '^(=+ )?[0-9]+ (passed|failed)|no tests ran' "$logf" | tail -n1 | tr -d '=' \
     | sed 's/^ *//; s/ *$//' || true)
   if ((rc != 0)); then FAILED=1; verdict="FAIL (exit $rc)"; else verdict=PASS; fi
-  SUMMARY+=("$(printf '%-14s %-14s %5ss  %s' "Python $v" "$verdict" "$(( $(date +%s) - ts ))" \
-    "${result:-no pytest summary: see $logf}")")
-  rm -f "$logf"
+  SUMMARY+=("$(printf '%-14s %-14s %5ss  %s (%s)' "Python $v" "$verdict" "$(( $(date +%s) - ts ))" \
+    "${result:-no pytest summary: see $logf}" "${selection[*]}")")
+  ((rc != 0)) || rm -f "$logf"
 done
 
 printf '\n==> wheel test summary (%s, %ss)\n' "$(basename "$WHEEL")" "$(( $(date +%s) - T0 ))"
