@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -32,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from memkv_procs import MemKVServer  # noqa: E402
+from tcp_ceiling import best, gbps, tcp_ceiling  # noqa: E402
 
 from memkv_vllm.core.client import MemKVClient  # noqa: E402
 from memkv_vllm.core.config import load_config  # noqa: E402
@@ -48,19 +47,6 @@ def make_kv(layout: str, num_blocks: int) -> PagedKV:
     return PagedKV([torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(layers)])
 
 
-def gbps(nbytes: int, secs: float) -> float:
-    return nbytes / secs / 1e9
-
-
-def best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def pinned_ceiling(nbytes: int, repeat: int) -> tuple[float, float]:
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -75,76 +61,6 @@ def pinned_ceiling(nbytes: int, repeat: int) -> tuple[float, float]:
 
     d2h(), h2d()
     return gbps(nbytes, best(d2h, repeat)), gbps(nbytes, best(h2d, repeat))
-
-
-class TcpLoop:
-    """`conns` loopback connections, each with a sender and a receiver thread that live for the
-    whole benchmark (thread start-up stays out of the timing); one run moves `nbytes` split
-    evenly over the connections. Socket calls release the GIL, so the threads run in parallel."""
-
-    def __init__(self, conns: int, nbytes: int) -> None:
-        self.part = -(-nbytes // conns)
-        self.nbytes = self.part * conns
-        lsock = socket.create_server(("127.0.0.1", 0))
-        self.socks = []
-        self._go = threading.Barrier(2 * conns + 1)
-        self._done = threading.Barrier(2 * conns + 1)
-        self._stop = False
-        self._threads = []
-        for _ in range(conns):
-            snd = socket.create_connection(lsock.getsockname())
-            rcv, _ = lsock.accept()
-            for s in (snd, rcv):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.socks += [snd, rcv]
-            self._threads += [threading.Thread(target=self._send, args=(snd,), daemon=True),
-                              threading.Thread(target=self._receive, args=(rcv,), daemon=True)]
-        lsock.close()
-        for t in self._threads:
-            t.start()
-
-    def _send(self, s: socket.socket) -> None:
-        src = memoryview(bytearray(self.part))
-        while True:
-            self._go.wait()
-            if self._stop:
-                return
-            s.sendall(src)
-            self._done.wait()
-
-    def _receive(self, s: socket.socket) -> None:
-        dst = memoryview(bytearray(self.part))
-        while True:
-            self._go.wait()
-            if self._stop:
-                return
-            got = 0
-            while got < self.part:
-                got += s.recv_into(dst[got:], min(self.part - got, 1 << 20))
-            self._done.wait()
-
-    def once(self) -> None:
-        self._go.wait()
-        self._done.wait()
-
-    def close(self) -> None:
-        self._stop = True
-        self._go.wait()
-        for t in self._threads:
-            t.join()
-        for s in self.socks:
-            s.close()
-
-
-def tcp_ceiling(nbytes: int, repeat: int, conns: int) -> float:
-    """Over at least 256 MiB: below that, waking the threads is a visible part of a run and the
-    figure swings by 3x from one run to the next (seen on the H200 host)."""
-    loop = TcpLoop(conns, max(nbytes, 256 << 20))
-    try:
-        loop.once()
-        return gbps(loop.nbytes, best(loop.once, repeat))
-    finally:
-        loop.close()
 
 
 def offloader(address: str, kv: PagedKV, medium: str, n: int, method: str,

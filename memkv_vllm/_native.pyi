@@ -19,6 +19,12 @@ class Op:
     def wait_lengths(self, timeout: float | None = None) -> tuple[bytes, list[int]] | None: ...
 
 @final
+class CompletionQueue:
+    def __new__(cls) -> CompletionQueue: ...
+    def wait(self, timeout: float | None = None) -> list[int]: ...
+    def wake(self) -> None: ...
+
+@final
 class Client:
     def __new__(
         cls,
@@ -41,7 +47,17 @@ class Client:
     def get_into(
         self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int]
     ) -> bytes: ...
-    def submit_exists(self, keys: Iterable[bytes], lease_ms: int = 0) -> Op: ...
+    # Each submit_* pushes `tag` onto `queue` (if given) once the Op is complete.
+    def submit_exists(
+        self,
+        keys: Iterable[bytes],
+        lease_ms: int = 0,
+        queue: CompletionQueue | None = None,
+        tag: int = 0,
+    ) -> Op: ...
+    def submit_delete(
+        self, keys: Iterable[bytes], queue: CompletionQueue | None = None, tag: int = 0
+    ) -> Op: ...
     # `owner` is kept alive until the transfer is over.
     def submit_put(
         self,
@@ -49,6 +65,8 @@ class Client:
         ptrs: Sequence[int],
         sizes: Sequence[int],
         owner: object | None = None,
+        queue: CompletionQueue | None = None,
+        tag: int = 0,
     ) -> Op: ...
     def submit_get_into(
         self,
@@ -56,6 +74,8 @@ class Client:
         ptrs: Sequence[int],
         sizes: Sequence[int],
         owner: object | None = None,
+        queue: CompletionQueue | None = None,
+        tag: int = 0,
     ) -> Op: ...
     # [(address, answer or None, error or None)] per server.
     def ping(self) -> list[tuple[str, float | None, str | None]]: ...

@@ -14,7 +14,9 @@
 #   5. for each vLLM venv made by scripts/setup-vllm.sh (.venv-vllm, .venv-vllm-0.25) that exists:
 #      installs memkv-vllm into it and runs tests/tier, tests/e2e (real vLLM), the torch
 #      round trips (tests/test_client_torch.py), the offloader core (tests/offload) and direct
-#      mode (tests/direct: its worker and spec tests need torch and vLLM) there.
+#      mode (tests/direct: its worker and spec tests need torch and vLLM) there,
+#   6. in .venv-sglang (scripts/setup-sglang.sh) when it exists: tests/hicache, memkv as SGLang
+#      HiCache's storage backend against SGLang's real classes.
 #
 # Options: --no-rust (skip step 2), --no-e2e (skip step 5), --setup (only step 1),
 #          anything after `--` goes to every pytest call (e.g. -- -k config -x).
@@ -44,7 +46,7 @@ while (($#)); do
     --no-e2e) run_e2e=0 ;;
     --setup) setup_only=1 ;;
     --) shift; PYTEST_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "test.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -200,6 +202,30 @@ elif ((run_e2e)); then
     log "$name: SKIPPED, $why; bash scripts/setup-vllm.sh makes it"
     SUMMARY+=("$(printf '%-44s SKIPPED: %s' "$name" "$why")")
   done
+fi
+
+# --- 6. SGLang HiCache storage backend ----------------------------------------------------------
+SGLANG_VENV=.venv-sglang
+# shellcheck disable=SC2329  # invoked through step
+sglang_in() {  # the servers are the build just installed into .venv (step 3)
+  MEMKV_BIN="${MEMKV_BIN:-$VENV/bin/memkv}" timeout --kill-after=30 "${E2E_TIMEOUT:-1800}" \
+    "$ROOT/$SGLANG_VENV/bin/python" -m pytest tests/hicache -ra "${PYTEST_ARGS[@]}"
+}
+if ((run_e2e && built)); then
+  name="pytest tests/hicache ($SGLANG_VENV)"
+  if [[ ! -x "$ROOT/$SGLANG_VENV/bin/python" ]]; then
+    why="$SGLANG_VENV does not exist"
+  elif ! "$ROOT/$SGLANG_VENV/bin/python" -c 'import sglang.srt.mem_cache.hicache_storage' \
+      2>/dev/null; then
+    why="SGLang's mem_cache does not import in $SGLANG_VENV"
+  else
+    why=""
+    step "$name" sglang_in
+  fi
+  if [[ -n "$why" ]]; then
+    log "$name: SKIPPED, $why; bash scripts/setup-sglang.sh makes it"
+    SUMMARY+=("$(printf '%-44s SKIPPED: %s' "$name" "$why")")
+  fi
 fi
 
 summary

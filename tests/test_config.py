@@ -64,7 +64,7 @@ def test_defaults() -> None:
     assert c.auth_key is None
     assert c.transport == "tcp"
     assert c.rdma_devices == ()
-    assert c.connections_per_server == 2
+    assert c.connections_per_server == 8
     assert c.connect_timeout_s == 1.0
     assert c.op_timeout_s == 10.0
     assert c.io_threads == 8
@@ -527,7 +527,7 @@ def test_describe_is_one_line_with_every_setting() -> None:
     assert "servers=a:1,[::1]:2" in line
     assert "transport=tcp" in line
     assert "rdma_devices" not in line  # irrelevant for tcp
-    assert "connections_per_server=2" in line
+    assert "connections_per_server=8" in line
     assert "connect_timeout_s=1" in line
     assert "op_timeout_s=10" in line
     assert "io_threads=3" in line

@@ -1,7 +1,7 @@
 """The package's layers, by scans of its source: only memkv_vllm/vllm/compat/ imports or probes
-vLLM, reads vLLM's renamed or private attributes and names vLLM versions; core/ imports nothing
-above it nor any serving stack; no import cycle; and the vLLM-free modules import with vLLM
-unimportable."""
+vLLM, reads vLLM's renamed or private attributes and names vLLM versions; only memkv_vllm/sglang/
+imports SGLang, and it builds on core/ alone; core/ imports nothing above it nor any serving
+stack; no import cycle; and the vLLM-free modules import with vLLM unimportable."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ PACKAGE = pathlib.Path(memkv_vllm.__file__).parent
 
 def _vllm_references(tree: ast.AST) -> list[int]:
     """Lines that import vLLM or look a vLLM module up by name (importlib, find_spec)."""
+    return _stack_references(tree, "vllm")
+
+
+def _stack_references(tree: ast.AST, stack: str) -> list[int]:
+    """Lines that import the package `stack` or look one of its modules up by name."""
     lines = []
     for node in ast.walk(tree):
         names: list[str] = []
@@ -34,7 +39,7 @@ def _vllm_references(tree: ast.AST) -> list[int]:
             if fname in ("import_module", "find_spec", "__import__") and isinstance(
                     node.args[0].value, str):
                 names = [node.args[0].value]
-        if any(n == "vllm" or n.startswith("vllm.") for n in names):
+        if any(n == stack or n.startswith(stack + ".") for n in names):
             lines.append(node.lineno)
     return lines
 
@@ -355,3 +360,43 @@ def test_core_imports_nothing_above_it_nor_any_serving_stack() -> None:
         if above or stacks:
             found[name] = above + stacks
     assert found == {}
+
+
+# ---------------------------------------------------------------------------- SGLang
+def test_the_scan_sees_every_way_of_naming_sglang() -> None:
+    code = ("import sglang\nfrom sglang.srt.mem_cache import x\n"
+            "importlib.import_module('sglang.srt')\nimport sglang_router\n")
+    assert _stack_references(ast.parse(code), "sglang") == [1, 2, 3]
+
+
+def test_only_the_sglang_package_imports_sglang() -> None:
+    found = {}
+    for name, path in MODULES.items():
+        if not name.startswith("memkv_vllm.sglang"):
+            hits = _stack_references(ast.parse(path.read_text()), "sglang")
+            if hits:
+                found[name] = hits
+    assert found == {}
+
+
+def test_the_sglang_package_builds_on_core_alone() -> None:
+    # Another serving stack's backend sits beside the vLLM wing, on the same contract: it uses
+    # core/ (the block store, keys, settings) and neither vLLM nor the vLLM wing's modules.
+    found = {}
+    sglang_modules = [n for n in MODULES if n.startswith("memkv_vllm.sglang")]
+    assert "memkv_vllm.sglang.storage" in sglang_modules
+    for name in sglang_modules:
+        tree = ast.parse(MODULES[name].read_text())
+        outside = sorted(m for m in _edges(name, tree, module_level=False)
+                         if not m.startswith(("memkv_vllm.core", "memkv_vllm.sglang")))
+        if outside or _vllm_references(tree):
+            found[name] = outside + [f"vllm at line {n}" for n in _vllm_references(tree)]
+    assert found == {}
+
+
+def test_the_sglang_packages_units_import_without_sglang_or_torch() -> None:
+    code = ("import sys; sys.modules['sglang'] = None; sys.modules['torch'] = None\n"
+            "import memkv_vllm.sglang.pages, memkv_vllm.sglang.keys, memkv_vllm.sglang.blocking\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"

@@ -3,7 +3,10 @@
 Values move between the caller's memory and the sockets with no Python copy: torch tensors,
 numpy arrays and any buffer-protocol object are turned into (address, length) pairs, and the
 owning objects are kept alive until the native I/O that uses them is finished. Blocking calls
-release the GIL; ``submit_*`` calls run on native I/O threads and return an :class:`Op`.
+release the GIL; ``submit_*`` calls run on native I/O threads and return an :class:`Op`; given a
+completion queue (``completion_queue()``) and a tag, each also pushes its tag onto the queue once
+it completed, so one thread waits for many (``queue.wait(timeout)``, GIL released) and collects
+each Op with ``wait(0)``: the block store's path (`memkv_vllm.core.interface.AsyncBlockClient`).
 
 A server that is down, slow or misbehaving never raises here: its keys come back with a status
 that says what happened (``TIMEOUT``, ``REFUSED``, ``AUTH_FAILED``, ``PROTOCOL_ERROR``, or
@@ -110,7 +113,8 @@ class CodesClient:
     of status codes per batch: byte i is key i's :class:`Status` number. No Python object is made
     per key, so a batched check of thousands of keys costs what the native call costs; callers
     that compare numbers (the block store, ``codes[i] == Status.OK``) use this. Implements
-    :class:`memkv_vllm.core.interface.BlockClient`."""
+    :class:`memkv_vllm.core.interface.BlockClient` and
+    :class:`memkv_vllm.core.interface.AsyncBlockClient`."""
 
     __slots__ = ("_c",)
 
@@ -159,6 +163,30 @@ class CodesClient:
     def submit_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> CodesOp:
         ptrs, sizes = _addresses(buffers, writable=True)
         return CodesOp(self._c.submit_get_into(list(keys), ptrs, sizes, list(buffers)))
+
+    # -- submitted raw-pointer calls announced on a completion queue (AsyncBlockClient) ------
+
+    def completion_queue(self) -> _native.CompletionQueue:
+        """A queue the native I/O threads push each tagged op's tag onto once it completed."""
+        return _native.CompletionQueue()
+
+    def submit_put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
+                        queue: _native.CompletionQueue | None = None, tag: int = 0) -> CodesOp:
+        """UNSAFE, as :meth:`MemKVClient.put_ptrs`, until the op is done: the memory must stay
+        valid and unchanged until then; nothing reads it afterwards."""
+        return CodesOp(self._c.submit_put(list(keys), list(ptrs), list(sizes), None, queue, tag))
+
+    def submit_get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int],
+                             sizes: Sequence[int], queue: _native.CompletionQueue | None = None,
+                             tag: int = 0) -> CodesOp:
+        """UNSAFE, as :meth:`MemKVClient.get_into_ptrs`, until the op is done: nothing writes
+        the memory once it is (TIMEOUT included)."""
+        return CodesOp(self._c.submit_get_into(list(keys), list(ptrs), list(sizes), None, queue,
+                                               tag))
+
+    def submit_delete(self, keys: Sequence[bytes], queue: _native.CompletionQueue | None = None,
+                      tag: int = 0) -> CodesOp:
+        return CodesOp(self._c.submit_delete(keys, queue, tag))
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         """As :meth:`MemKVClient.register_buffer`: a block store holding this face registers
@@ -268,6 +296,27 @@ class MemKVClient:
 
     def submit_get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> Op:
         return Op(self.codes.submit_get_into(keys, buffers))
+
+    # -- submitted raw-pointer calls announced on a completion queue (AsyncBlockClient) ------
+
+    def completion_queue(self) -> _native.CompletionQueue:
+        """As :meth:`CodesClient.completion_queue`."""
+        return self.codes.completion_queue()
+
+    def submit_put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
+                        queue: _native.CompletionQueue | None = None, tag: int = 0) -> Op:
+        """UNSAFE, as :meth:`CodesClient.submit_put_ptrs`."""
+        return Op(self.codes.submit_put_ptrs(keys, ptrs, sizes, queue, tag))
+
+    def submit_get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int],
+                             sizes: Sequence[int], queue: _native.CompletionQueue | None = None,
+                             tag: int = 0) -> Op:
+        """UNSAFE, as :meth:`CodesClient.submit_get_into_ptrs`."""
+        return Op(self.codes.submit_get_into_ptrs(keys, ptrs, sizes, queue, tag))
+
+    def submit_delete(self, keys: Sequence[bytes], queue: _native.CompletionQueue | None = None,
+                      tag: int = 0) -> Op:
+        return Op(self.codes.submit_delete(keys, queue, tag))
 
     # -- cluster -------------------------------------------------------------------------------
 

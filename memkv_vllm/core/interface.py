@@ -7,9 +7,12 @@ Two boundaries, each a `typing.Protocol` so that either side can be replaced wit
   stats, buffer registration, close. `memkv_vllm.core.store.BlockStore` implements it over memkv.
 * `BlockClient` — what an `Offloader` needs from the cluster below it: one asynchronous batched
   presence probe, two blocking batched transfers between raw memory and the cluster, and a
-  batched delete.
-  `memkv_vllm.core.client.MemKVClient` implements it; `RegisteringClient` adds the optional
-  registration step transports such as RDMA need.
+  batched delete. `AsyncBlockClient` is the same cluster with the transfers and the delete
+  submitted too, each announcing its completion on a `CompletionQueue` by an integer tag, so
+  that one thread waits for all of them; the block store drives that face, and runs a plain
+  `BlockClient` through it on a small pool (memkv_vllm.core.completions).
+  `memkv_vllm.core.client.MemKVClient`'s `codes` face implements both; `RegisteringClient` adds
+  the optional registration step transports such as RDMA need.
 
 Direct mode (memkv_vllm.direct, memkv_vllm.offload) adds two more:
 
@@ -23,8 +26,9 @@ Direct mode (memkv_vllm.direct, memkv_vllm.offload) adds two more:
 
 Threads: an `Offloader` belongs to ONE owner thread (vLLM: the scheduler thread). Every method is
 called on that thread and returns without waiting on the network, except `drain()` and `close()`,
-which wait by design. `BlockClient` transfer methods are called on the offloader's own I/O threads
-and may block for up to the client's per-operation timeout.
+which wait by design. `AsyncBlockClient` submissions are made on the owner thread and on the
+offloader's one harvester thread, and never block; `BlockClient` transfer methods are called on
+I/O threads and may block for up to the client's per-operation timeout.
 
 Failures are values, never exceptions: an unreachable, slow or broken cluster turns into MISS
 verdicts, failed load keys (the caller recomputes) and dropped stores. Programming errors (a job
@@ -102,16 +106,33 @@ class Completion:
 
 @runtime_checkable
 class ProbeHandle(Protocol):
-    """An asynchronous presence probe started by `BlockClient.submit_exists`."""
+    """An asynchronous operation: a presence probe started by `BlockClient.submit_exists`, or a
+    transfer or delete submitted to an `AsyncBlockClient`."""
 
     def done(self) -> bool:
         """True once the answer is available. Never blocks."""
         ...
 
     def wait(self, timeout: float | None = None) -> Sequence[int] | None:
-        """One status per probed key (OK / OK_NO_LEASE = present, NOT_FOUND = absent, any other
-        code = unknown), or None if not done within `timeout`. `wait(0)` after `done()` returned
-        True returns the answer without blocking. May raise if the probe failed as a whole."""
+        """One status per key (for a probe: OK / OK_NO_LEASE = present, NOT_FOUND = absent, any
+        other code = unknown), or None if not done within `timeout`. `wait(0)` after `done()`
+        returned True, or after its tag came back from a `CompletionQueue`, returns the answer
+        without blocking. May raise if the operation failed as a whole (a bug in the client)."""
+        ...
+
+
+@runtime_checkable
+class CompletionQueue(Protocol):
+    """Where operations submitted with it announce that they completed: each pushes its tag once,
+    after its handle holds the answer (also when the operation failed as a whole)."""
+
+    def wait(self, timeout: float | None = None) -> list[int]:
+        """The tags pushed since the last call, in completion order. Blocks up to `timeout`
+        seconds (None: no limit) for the first; an empty list after the timeout or `wake`."""
+        ...
+
+    def wake(self) -> None:
+        """Make the running `wait`, or else the next one, return even without a tag."""
         ...
 
 
@@ -120,8 +141,9 @@ class BlockClient(Protocol):
     """The cluster below an `Offloader`.
 
     Caller: the offloader. `submit_exists` is called on the offloader's owner thread and must not
-    block; `get_into_ptrs` / `put_ptrs` / `delete` are called on the offloader's I/O threads,
-    concurrently with each other, and block until every key has an outcome.
+    block; `get_into_ptrs` / `put_ptrs` / `delete` are called on I/O threads (the offloader runs a
+    client that is not also an `AsyncBlockClient` on a pool of its own), concurrently with each
+    other, and block until every key has an outcome.
 
     Memory guarantee the offloader relies on: a transfer method reads or writes the memory at
     `ptrs[i]` (exactly `sizes[i]` bytes) only while the call is running. `get_into_ptrs` writes a
@@ -153,6 +175,49 @@ class BlockClient(Protocol):
 
     def delete(self, keys: Sequence[bytes]) -> Sequence[int]:
         """Remove the keys from the cluster (absent keys are no error). One status per key."""
+        ...
+
+
+@runtime_checkable
+class AsyncBlockClient(Protocol):
+    """The cluster below an `Offloader`, with transfers and deletes submitted rather than blocking.
+
+    Caller: the offloader, on its owner thread and its harvester thread; no method blocks. Each
+    `submit_*` starts one batched operation and returns its handle at once; with a `queue` (made
+    by `completion_queue`), the operation's `tag` is pushed onto it once the handle holds the
+    answer, so one thread waits on the queue for all of them instead of one per operation.
+    Answers and failures are those of the matching `BlockClient` method. An operation's deadline
+    (the client's per-operation timeout) counts from its submission.
+
+    Memory guarantee the offloader relies on: a submitted transfer reads or writes the memory at
+    `ptrs[i]` (exactly `sizes[i]` bytes) only until its handle reports completion (`done()`, or
+    its tag on the queue), TIMEOUT included: after that it touches none of it. A destination is
+    written only for a key answered OK with exactly `sizes[i]` bytes, as for `BlockClient`.
+    The memory's owner is kept by the offloader's buffer registration.
+    """
+
+    def completion_queue(self) -> CompletionQueue:
+        """A new queue for this client's `submit_*` calls."""
+        ...
+
+    def submit_exists(self, keys: Sequence[bytes], lease_ms: int = 0) -> ProbeHandle:
+        """As `BlockClient.submit_exists`."""
+        ...
+
+    def submit_get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int],
+                             sizes: Sequence[int], queue: CompletionQueue | None = None,
+                             tag: int = 0) -> ProbeHandle:
+        """UNSAFE raw-pointer API: `BlockClient.get_into_ptrs`, submitted."""
+        ...
+
+    def submit_put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
+                        queue: CompletionQueue | None = None, tag: int = 0) -> ProbeHandle:
+        """UNSAFE raw-pointer API: `BlockClient.put_ptrs`, submitted."""
+        ...
+
+    def submit_delete(self, keys: Sequence[bytes], queue: CompletionQueue | None = None,
+                      tag: int = 0) -> ProbeHandle:
+        """`BlockClient.delete`, submitted."""
         ...
 
 
@@ -227,8 +292,8 @@ class Offloader(Protocol):
         """Start reading `keys` into the caller memory. Loads are never shed. Keys that fail are
         cached as MISS; a value found with another length than requested is deleted from the
         cluster (no reader of this namespace can use it). A key that timed out is a failed key
-        like any other: the client writes nothing once its call returned (`BlockClient`), so
-        the job completes as soon as its calls returned."""
+        like any other: the client writes nothing once its operation completed
+        (`AsyncBlockClient`), so the job completes as soon as its operations did."""
         ...
 
     def submit_store(self, job_id: int, keys: Sequence[bytes], ptrs: Sequence[int],

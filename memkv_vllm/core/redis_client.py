@@ -23,7 +23,9 @@ reads:
   or a refused login turns the affected keys into UNAVAILABLE / TIMEOUT / AUTH_FAILED. Keys are
   sent as one pipeline per cluster node, so a dead node fails its own keys only.
 * **Threads**: calls may run concurrently (redis-py keeps a connection pool per node);
-  `submit_exists` runs the probe on a small thread pool and returns at once. Socket waits release
+  `submit_exists` runs the probe on a small thread pool and returns at once, and the submitted
+  transfers and deletes of `AsyncBlockClient` (what the block store drives) run on a pool of
+  ``io_threads`` threads, each announcing its completion on a `TagQueue`. Socket waits release
   the GIL; building commands and parsing replies (hiredis) hold it.
 """
 
@@ -40,8 +42,9 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from memkv_vllm.core.completions import FutureOp, SubmittedCalls, TagQueue
 from memkv_vllm.core.config import MemKVConfig
-from memkv_vllm.core.interface import Status
+from memkv_vllm.core.interface import CompletionQueue, Status
 
 __all__ = ["TRAILER_BYTES", "RedisBlockClient", "frame_value", "redis_key", "unframe_value"]
 
@@ -163,6 +166,7 @@ class RedisBlockClient:
         self._probes = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, min(4, io_threads or config.io_threads)),
             thread_name_prefix="memkv-redis-probe")
+        self._calls = SubmittedCalls(io_threads or config.io_threads, "memkv-redis-io")
         self.codes = self
         self._slow_errors = _slow_path_errors()
         try:
@@ -443,9 +447,31 @@ class RedisBlockClient:
         res = self._run([("DEL", k) for k in rkeys], rkeys)
         return self._codes(res, lambda _: Status.OK)
 
+    # ------------------------------------------------------------------ AsyncBlockClient
+    def completion_queue(self) -> TagQueue:
+        return TagQueue()
+
+    def submit_get_into_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int],
+                             sizes: Sequence[int], queue: CompletionQueue | None = None,
+                             tag: int = 0) -> FutureOp:
+        """`get_into_ptrs` on the I/O pool; `tag` is pushed onto `queue` once it returned."""
+        return self._calls.submit(self.get_into_ptrs, keys, ptrs, sizes, queue=queue, tag=tag)
+
+    def submit_put_ptrs(self, keys: Sequence[bytes], ptrs: Sequence[int], sizes: Sequence[int],
+                        queue: CompletionQueue | None = None, tag: int = 0) -> FutureOp:
+        """`put_ptrs` on the I/O pool; `tag` as for `submit_get_into_ptrs`."""
+        return self._calls.submit(self.put_ptrs, keys, ptrs, sizes, queue=queue, tag=tag)
+
+    def submit_delete(self, keys: Sequence[bytes], queue: CompletionQueue | None = None,
+                      tag: int = 0) -> FutureOp:
+        """`delete` on the I/O pool; `tag` as for `submit_get_into_ptrs`."""
+        return self._calls.submit(self.delete, keys, queue=queue, tag=tag)
+
     def close(self) -> None:
-        """Stops the probe threads (after running probes finish) and closes the connections."""
+        """Stops the probe and I/O threads (after running calls finish) and closes the
+        connections."""
         self._probes.shutdown(wait=True)
+        self._calls.shutdown(wait=True)
         with self._lock:
             r, self._redis = self._redis, None
         if r is not None:

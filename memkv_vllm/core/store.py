@@ -8,11 +8,18 @@ module only adds how memkv meets it:
   keys are queued and `flush_lookups()` sends them as ONE `submit_exists` with a server lease, so
   a hit survives until its load. Verdicts expire (`hit_ttl_s`, `miss_ttl_s`). `renew_leases`
   sends the same probe again for keys about to load; its answers are read at the next flush.
-* Jobs are cut into client calls of `blocks_per_op` keys, run on separate load and store thread
-  pools, so a store backlog never delays a load. Data goes straight between registered caller
-  memory and the cluster (no Python copies).
-* State (verdicts, backlog, stats, buffers) is only mutated on the owner thread; pool threads do
-  I/O and hand finished jobs back through a queue, read by `poll()`.
+* Jobs are cut into operations of `blocks_per_op` keys, each submitted to the client's
+  asynchronous batched calls (`AsyncBlockClient`: the native client's I/O threads) with a tag
+  announcing its completion on one completion queue. At most `n_read_threads` load and
+  `n_write_threads` store operations are in flight (the rest wait, per direction, in submit
+  order), so a store backlog never takes a load's place. Data goes straight between registered
+  caller memory and the cluster (no Python copies).
+* One harvester thread waits on the queue (GIL released), collects each finished operation
+  without blocking, submits the next waiting ones and hands finished jobs back through a queue,
+  read by `poll()`; no Python thread per operation. A client with blocking transfers only (a
+  plain `BlockClient`) is run on a pool of `n_read_threads + n_write_threads + 1` threads
+  (`PooledBlockClient`), as the store's own I/O threads did before.
+* State (verdicts, backlog, stats, buffers) is only mutated on the owner thread.
 * All timing uses the injected `clock` (tests drive it by hand); no vLLM imports.
 """
 
@@ -28,7 +35,15 @@ from typing import Any
 
 import attrs
 
-from memkv_vllm.core.interface import BlockClient, Completion, Lookup, RegisteringClient, Status
+from memkv_vllm.core.completions import PooledBlockClient
+from memkv_vllm.core.interface import (
+    AsyncBlockClient,
+    BlockClient,
+    Completion,
+    Lookup,
+    RegisteringClient,
+    Status,
+)
 
 __all__ = ["BlockStore", "Completion", "Lookup", "StoreOptions"]
 
@@ -36,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 @attrs.define
 class StoreOptions:
+    # Load / store operations (of `blocks_per_op` keys) in flight at once, per direction (the
+    # names are those of the tier keys; the store no longer runs a thread per operation).
     n_read_threads: int = 8
     n_write_threads: int = 8
     blocks_per_op: int = 8
@@ -71,6 +88,17 @@ class _TransferJob:
     statuses: list[int] = attrs.Factory(list)
     remaining: int = 0
     t_done: float = 0.0
+
+
+@attrs.define(eq=False)
+class _Range:
+    """One submitted operation: keys [lo, hi) of `job`, or (job None) a delete of `keys`."""
+
+    job: _TransferJob | None
+    lo: int = 0
+    hi: int = 0
+    keys: list[bytes] = attrs.Factory(list)
+    op: Any = None
 
 
 @attrs.define(eq=False)
@@ -113,21 +141,28 @@ class BlockStore:
         self._cv = threading.Condition()
         self._stats: collections.Counter[str] = collections.Counter()
         self._closed = False
-        self._load_q: queue.SimpleQueue[tuple[_TransferJob, int, int] | None] = queue.SimpleQueue()
-        # store threads also delete values found unusable (a list of keys)
-        self._store_q: queue.SimpleQueue[tuple[_TransferJob, int, int] | list[bytes] | None] = (
-            queue.SimpleQueue())
-        self._threads = [
-            threading.Thread(target=self._io_loop, args=(self._load_q, True),
-                             name=f"memkv-load-{i}", daemon=True)
-            for i in range(max(1, opts.n_read_threads))
-        ] + [
-            threading.Thread(target=self._io_loop, args=(self._store_q, False),
-                             name=f"memkv-store-{i}", daemon=True)
-            for i in range(max(1, opts.n_write_threads))
-        ]
-        for t in self._threads:
-            t.start()
+        # Operations: the ones waiting for a slot per direction (True: loads), the number in
+        # flight per direction, and every submitted one by tag (deletes too). Guarded by _cv.
+        self._waiting: dict[bool, collections.deque[_Range]] = {
+            True: collections.deque(), False: collections.deque()}
+        self._running = {True: 0, False: 0}
+        self._limit = {True: max(1, opts.n_read_threads), False: max(1, opts.n_write_threads)}
+        self._ops: dict[int, _Range] = {}
+        self._tags = 0
+        self._pooled: PooledBlockClient | None = None
+        self._io: AsyncBlockClient | None = None
+        self._harvester: threading.Thread | None = None
+        self._queue: Any = None  # the completion queue of self._io's operations
+        if client is not None:
+            if isinstance(client, AsyncBlockClient):
+                self._io = client
+            else:
+                self._pooled = PooledBlockClient(client, self._limit[True] + self._limit[False] + 1)
+                self._io = self._pooled
+            self._queue = self._io.completion_queue()
+            self._harvester = threading.Thread(target=self._harvest_loop, name="memkv-harvest",
+                                               daemon=True)
+            self._harvester.start()
 
     # ----------------------------------------------------------------------------- buffers
     def register_buffer(self, ptr: int, nbytes: int, owner: object = None) -> None:
@@ -355,56 +390,106 @@ class BlockStore:
             self._done.put(job)
             return
         step = max(1, self.options.blocks_per_op)
-        ranges = [(i, min(n, i + step)) for i in range(0, n, step)]
-        job.remaining = len(ranges)
         with self._cv:
             self._inflight += 1
-        q = self._load_q if is_load else self._store_q
-        for lo, hi in ranges:
-            q.put((job, lo, hi))
+            job.remaining = (n + step - 1) // step
+            self._waiting[is_load].extend(_Range(job, i, min(n, i + step))
+                                          for i in range(0, n, step))
+            self._start(is_load)
 
-    def _io_loop(self, q: queue.SimpleQueue, is_load: bool) -> None:
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            if isinstance(item, list):
-                self._delete(item)
-                continue
-            job, lo, hi = item
-            client = self._client
+    def _start(self, is_load: bool) -> None:
+        """Submit waiting operations of one direction while it has free slots (_cv held: the
+        harvester must not see a tag before its range knows its op)."""
+        waiting = self._waiting[is_load]
+        while waiting and self._running[is_load] < self._limit[is_load]:
+            r = waiting.popleft()
+            job = r.job
+            assert job is not None and self._io is not None
+            self._tags += 1
+            tag = self._tags
+            self._ops[tag] = r
+            self._running[is_load] += 1
+            submit = self._io.submit_get_into_ptrs if is_load else self._io.submit_put_ptrs
             try:
-                assert client is not None
-                fn = client.get_into_ptrs if is_load else client.put_ptrs
-                # `job` holds its registered buffers, and they their owners, during the call.
-                st = [int(s) for s in fn(job.keys[lo:hi], job.ptrs[lo:hi], job.sizes[lo:hi])]
-                if len(st) != hi - lo:
-                    raise RuntimeError(f"client returned {len(st)} statuses for {hi - lo} keys")
-            except Exception as e:  # an exception here must not kill the pool or hang the job
-                logger.warning("memkv %s failed: %s", "load" if is_load else "store", e)
-                st = [Status.UNAVAILABLE] * (hi - lo)
-            # The client wrote nothing for these keys and will not any more once the call returned
-            # (BlockClient's memory guarantee), TIMEOUT included: the job can complete now.
-            job.statuses[lo:hi] = st
+                # `job` holds its registered buffers, and they their owners, until it completes.
+                r.op = submit(job.keys[r.lo:r.hi], job.ptrs[r.lo:r.hi], job.sizes[r.lo:r.hi],
+                              self._queue, tag)
+            except Exception as e:  # a client that cannot start fails these keys, no more
+                logger.warning("memkv %s failed to start: %s", "load" if is_load else "store", e)
+                del self._ops[tag]
+                self._running[is_load] -= 1
+                self._finish(r, [Status.UNAVAILABLE] * (r.hi - r.lo))
+
+    def _harvest_loop(self) -> None:
+        """The harvester thread: completed operations' tags in, finished jobs out."""
+        while True:
+            try:
+                tags = self._queue.wait(None)
+                for tag in tags:
+                    self._collect(tag)
+            except Exception as e:  # never let the thread die: jobs would hang
+                logger.warning("memkv block store: collecting completions failed: %s", e)
             with self._cv:
-                job.remaining -= 1
-                if job.remaining == 0:
-                    job.t_done = self._clock()
-                    self._done.put(job)
-                    self._inflight -= 1
-                    self._cv.notify_all()
+                if self._closed and not self._ops and not any(self._waiting.values()):
+                    return
+
+    def _collect(self, tag: int) -> None:
+        with self._cv:
+            r = self._ops.pop(tag, None)
+        if r is None:
+            return
+        what = "delete" if r.job is None else "load" if r.job.is_load else "store"
+        st: list[int] | None
+        try:
+            res = r.op.wait(0)
+            if res is None:
+                raise RuntimeError("an operation announced itself before it completed")
+            st = [int(c) for c in res]
+            want = len(r.keys) if r.job is None else r.hi - r.lo
+            if len(st) != want:
+                raise RuntimeError(f"client returned {len(st)} statuses for {want} keys")
+        except Exception as e:  # a failed (or panicked) operation fails its keys, never hangs
+            logger.warning("memkv %s failed: %s", what, e)
+            st = None
+        if r.job is None:
+            if st is not None:
+                logger.warning("memkv: deleted %d value(s) of the wrong length (statuses %s)",
+                               len(r.keys), sorted(set(st)))
+            return
+        with self._cv:
+            self._running[r.job.is_load] -= 1
+            self._finish(r, st if st is not None else [Status.UNAVAILABLE] * (r.hi - r.lo))
+            self._start(r.job.is_load)
+
+    def _finish(self, r: _Range, st: list[int]) -> None:
+        """Record one operation's statuses (_cv held)."""
+        job = r.job
+        assert job is not None
+        # The client wrote nothing for these keys and will not any more once the operation
+        # completed (AsyncBlockClient's memory guarantee), TIMEOUT included: the job can
+        # complete now.
+        job.statuses[r.lo:r.hi] = st
+        job.remaining -= 1
+        if job.remaining == 0:
+            job.t_done = self._clock()
+            self._done.put(job)
+            self._inflight -= 1
+            self._cv.notify_all()
 
     def _delete(self, keys: list[bytes]) -> None:
-        """Remove values no reader can use (store thread). Best effort: a failure leaves them to
-        the cluster's eviction."""
-        try:
-            assert self._client is not None
-            st = self._client.delete(keys)
-            logger.warning("memkv: deleted %d value(s) of the wrong length (statuses %s)",
-                           len(keys), sorted({int(s) for s in st}))
-        except Exception as e:
-            logger.warning("memkv: deleting %d value(s) of the wrong length failed: %s",
-                           len(keys), e)
+        """Remove values no reader can use (submitted; the harvester logs the outcome). Best
+        effort: a failure leaves them to the cluster's eviction."""
+        assert self._io is not None
+        with self._cv:
+            self._tags += 1
+            tag = self._tags
+            r = self._ops[tag] = _Range(None, keys=keys)
+            try:
+                r.op = self._io.submit_delete(keys, self._queue, tag)
+            except Exception as e:
+                del self._ops[tag]
+                logger.warning("memkv: deleting %d value(s) of the wrong length failed: %s",
+                               len(keys), e)
 
     def poll(self) -> list[Completion]:
         now = self._clock()
@@ -441,7 +526,7 @@ class BlockStore:
                 # A value of another length is unusable for every reader of this namespace
                 # (vLLM's fs tier likewise deletes a block file that reads short).
                 self._stats["load_blocks_deleted"] += len(bad_length)
-                self._store_q.put(bad_length)
+                self._delete(bad_length)
             gone = tuple(k for k, s in zip(job.keys, job.statuses, strict=True)
                          if s in (Status.NOT_FOUND, Status.LENGTH_MISMATCH))
             c = Completion(job.job_id, True, not failed, tuple(ok_keys), nbytes, secs,
@@ -492,10 +577,12 @@ class BlockStore:
         drained = self.drain(timeout)
         if not drained:
             logger.warning("memkv block store: I/O still in flight after %.0f s at close", timeout)
-        for t in self._threads:
-            (self._load_q if t.name.startswith("memkv-load") else self._store_q).put(None)
-        for t in self._threads:
-            t.join(timeout=1.0)
+        if self._harvester is not None:
+            # It ends once no operation is in flight: now if drained, else after the last one.
+            self._queue.wake()
+            self._harvester.join(timeout=1.0)
+        if self._pooled is not None:
+            self._pooled.shutdown()
         # No I/O runs any more: registrations end here, and their owners are released (jobs not
         # polled yet still refer to the buffers) so the caller can unmap the memory. I/O still
         # running keeps them: a mapping that outlives its user beats a write into freed memory.

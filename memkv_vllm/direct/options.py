@@ -27,6 +27,8 @@ class DirectOptions:
     scratch_medium: str = "auto"
     num_threads: int = 4
     scratch_mb_per_thread: int = 128
+    # Load / store operations in flight per worker (the store's n_read_threads / n_write_threads;
+    # the keys keep their names, no thread is made per operation).
     load_threads: int = 4
     store_threads: int = 4
     wait_timeout_s: float = 120.0

@@ -17,11 +17,12 @@ cluster through the block store (an `Offloader`). Every vLLM-generation differen
 `compat.api()`.
 
 Tier keys (names and defaults of the product this replaces): prefix ("memkv"), n_read_threads
-(8), n_write_threads (8), blocks_per_op (8), max_store_backlog_mb (2048), lookup_timeout_s (5);
-and, as vLLM's fs and obj tiers take them, locality ("REMOTE" or "LOCAL"; default REMOTE) and
-enable_kv_events (false). Any memkv client setting (servers, auth_key, transport,
-op_timeout_s, ...) may be given too and wins over MEMKV_CONFIG / MEMKV_* variables; with
-`"backend": "redis"` and `redis://` servers the blocks live in Redis / Valkey (docs/redis.md).
+(8) and n_write_threads (8) (load / store operations in flight: `StoreOptions`), blocks_per_op
+(8), max_store_backlog_mb (2048), lookup_timeout_s (5); and, as vLLM's fs and obj tiers take
+them, locality ("REMOTE" or "LOCAL"; default REMOTE) and enable_kv_events (false). Any memkv
+client setting (servers, auth_key, transport, op_timeout_s, ...) may be given too and wins over
+MEMKV_CONFIG / MEMKV_* variables; with `"backend": "redis"` and `redis://` servers the blocks
+live in Redis / Valkey (docs/redis.md).
 
 What vLLM's own tiers promise, this one keeps (tests/tier/test_conformance.py): drain_jobs()
 leaves every job's result available, the tier declares its medium and locality (so per-request

@@ -31,7 +31,7 @@ pub use memkv_fabric::{memory, Memory};
 
 pub use buf::Buf;
 use conn::{Conn, ConnError};
-pub use exec::{Executor, Op, OpResult};
+pub use exec::{CompletionQueue, Executor, Lane, Op, OpResult};
 pub use pool::{Failure, Health};
 use pool::{Pool, PoolConfig};
 pub use status::Status;
@@ -125,7 +125,7 @@ impl Default for ClientConfig {
         ClientConfig {
             servers: vec!["127.0.0.1:7390".into()],
             auth_key: None,
-            connections_per_server: 2,
+            connections_per_server: 8,
             connect_timeout: Duration::from_secs(1),
             op_timeout: Duration::from_secs(10),
             io_threads: 8,
@@ -415,13 +415,26 @@ impl Client {
         self.placement.owner(key)
     }
 
-    fn deadline(&self) -> Instant {
+    /// The deadline of an operation starting now (`op_timeout` from now); submitted operations
+    /// take theirs when they are submitted (`*_by`), so waiting for an I/O thread counts too.
+    pub fn deadline(&self) -> Instant {
         Instant::now() + self.cfg.op_timeout
     }
 
     pub fn exists<K: AsRef<[u8]> + Sync>(&self, keys: &[K], lease_ms: u32) -> Vec<(Status, u64)> {
+        self.exists_by(keys, lease_ms, self.deadline())
+    }
+
+    /// `exists` with a deadline of the caller's.
+    pub fn exists_by<K: AsRef<[u8]> + Sync>(
+        &self,
+        keys: &[K],
+        lease_ms: u32,
+        deadline: Instant,
+    ) -> Vec<(Status, u64)> {
         let mut out = vec![(Status::InvalidKey, 0); keys.len()];
         self.fan_out(
+            deadline,
             keys,
             Frame::Keys,
             &mut out,
@@ -435,8 +448,14 @@ impl Client {
     }
 
     pub fn delete<K: AsRef<[u8]> + Sync>(&self, keys: &[K]) -> Vec<Status> {
+        self.delete_by(keys, self.deadline())
+    }
+
+    /// `delete` with a deadline of the caller's.
+    pub fn delete_by<K: AsRef<[u8]> + Sync>(&self, keys: &[K], deadline: Instant) -> Vec<Status> {
         let mut out = vec![Status::InvalidKey; keys.len()];
         self.fan_out(
+            deadline,
             keys,
             Frame::Keys,
             &mut out,
@@ -455,7 +474,15 @@ impl Client {
     /// # Safety
     /// Every `Buf` must stay valid for reads until this returns.
     pub unsafe fn put(&self, keys: &[Vec<u8>], bufs: &[Buf]) -> Vec<Status> {
-        self.transfer(keys, bufs, true)
+        self.transfer(keys, bufs, true, self.deadline())
+    }
+
+    /// `put` with a deadline of the caller's.
+    ///
+    /// # Safety
+    /// As for `put`.
+    pub unsafe fn put_by(&self, keys: &[Vec<u8>], bufs: &[Buf], deadline: Instant) -> Vec<Status> {
+        self.transfer(keys, bufs, true, deadline)
     }
 
     /// Reads each key's value into caller memory. A buffer is written only after the server
@@ -468,13 +495,28 @@ impl Client {
     /// Every `Buf` must stay valid for writes, and not be accessed by anyone else, until this
     /// returns. Buffers must not overlap.
     pub unsafe fn get(&self, keys: &[Vec<u8>], bufs: &[Buf]) -> Vec<Status> {
-        self.transfer(keys, bufs, false)
+        self.transfer(keys, bufs, false, self.deadline())
     }
 
-    fn transfer(&self, keys: &[Vec<u8>], bufs: &[Buf], put: bool) -> Vec<Status> {
+    /// `get` with a deadline of the caller's.
+    ///
+    /// # Safety
+    /// As for `get`.
+    pub unsafe fn get_by(&self, keys: &[Vec<u8>], bufs: &[Buf], deadline: Instant) -> Vec<Status> {
+        self.transfer(keys, bufs, false, deadline)
+    }
+
+    fn transfer(
+        &self,
+        keys: &[Vec<u8>],
+        bufs: &[Buf],
+        put: bool,
+        deadline: Instant,
+    ) -> Vec<Status> {
         assert_eq!(keys.len(), bufs.len(), "one buffer per key");
         let mut out = vec![Status::InvalidKey; keys.len()];
         self.fan_out(
+            deadline,
             keys,
             Frame::KeyLens,
             &mut out,
@@ -538,18 +580,18 @@ impl Client {
 
     /// Runs `f` for each (server, key indices) group in parallel, splitting a server's group over
     /// its connections when it has several and each connection's share into frames that fit the
-    /// protocol's limits, all under one deadline. Writes each key's result into `out`; keys of a
+    /// protocol's limits, all under `deadline`. Writes each key's result into `out`; keys of a
     /// failed server or connection get `fail(status of the failure)`. Invalid keys never reach a
     /// server (they keep what `out` held).
     fn fan_out<K: AsRef<[u8]> + Sync, T: Copy + Send>(
         &self,
+        deadline: Instant,
         keys: &[K],
         kind: Frame,
         out: &mut [T],
         fail: impl Fn(Status) -> T + Sync,
         f: impl Fn(&mut Conn, &[usize]) -> Result<Vec<T>, ConnError> + Sync,
     ) {
-        let deadline = self.deadline();
         let mut groups: Vec<Vec<usize>> = vec![Vec::new(); self.pools.len()];
         for (i, k) in keys.iter().enumerate() {
             let k = k.as_ref();
@@ -631,8 +673,19 @@ impl Client {
 
     /// Runs `job` on the I/O threads; the returned Op completes with its result.
     pub fn submit(self: &Arc<Self>, job: impl FnOnce(&Client) -> OpResult + Send + 'static) -> Op {
+        self.submit_to(job, Lane::Urgent, None)
+    }
+
+    /// As `submit`, in `lane`; once the Op is complete its tag is pushed onto the queue
+    /// (`exec`).
+    pub fn submit_to(
+        self: &Arc<Self>,
+        job: impl FnOnce(&Client) -> OpResult + Send + 'static,
+        lane: Lane,
+        notify: Option<(CompletionQueue, u64)>,
+    ) -> Op {
         let me = self.clone();
-        self.exec.submit(move || job(&me))
+        self.exec.submit_to(move || job(&me), lane, notify)
     }
 }
 

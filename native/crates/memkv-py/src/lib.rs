@@ -25,6 +25,7 @@ use std::time::Duration;
 
 use memkv_client::{exec::panic_message, Buf, Client, ClientConfig, Op, OpResult, Status};
 use memkv_client::{placement, TransportChoice};
+use memkv_client::{CompletionQueue, Lane};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -223,38 +224,69 @@ impl PyClient {
         self.transfer(py, keys, ptrs, sizes, false)
     }
 
-    #[pyo3(signature = (keys, lease_ms=0))]
-    fn submit_exists(&self, keys: Keys, lease_ms: u32) -> PyOp {
+    /// Like exists, on the I/O threads. Every submit_* takes an optional `queue` and `tag`: the
+    /// tag is pushed onto the queue once the Op is complete. Its deadline (op_timeout_s) counts
+    /// from submission. Lookups and loads start before stores and deletes waiting for a thread.
+    #[pyo3(signature = (keys, lease_ms=0, queue=None, tag=0))]
+    fn submit_exists(
+        &self,
+        keys: Keys,
+        lease_ms: u32,
+        queue: Option<&PyCompletionQueue>,
+        tag: u64,
+    ) -> PyOp {
+        let by = self.inner.deadline();
         PyOp {
-            op: self
-                .inner
-                .submit(move |c| OpResult::StatusLens(c.exists(&keys.slices(), lease_ms))),
+            op: self.inner.submit_to(
+                move |c| OpResult::StatusLens(c.exists_by(&keys.slices(), lease_ms, by)),
+                Lane::Urgent,
+                notify(queue, tag),
+            ),
+        }
+    }
+
+    /// Like delete, on the I/O threads; `queue` and `tag` as for submit_exists.
+    #[pyo3(signature = (keys, queue=None, tag=0))]
+    fn submit_delete(&self, keys: Keys, queue: Option<&PyCompletionQueue>, tag: u64) -> PyOp {
+        let by = self.inner.deadline();
+        PyOp {
+            op: self.inner.submit_to(
+                move |c| OpResult::Statuses(c.delete_by(&keys.slices(), by)),
+                Lane::Bulk,
+                notify(queue, tag),
+            ),
         }
     }
 
     /// Like put, on the I/O threads. `owner` is kept alive until the transfer is over, even if
     /// the returned Op is dropped first; the addresses must stay valid as long as `owner` lives.
-    #[pyo3(signature = (keys, ptrs, sizes, owner=None))]
+    /// No memory is read once the Op is complete. `queue` and `tag` as for submit_exists.
+    #[pyo3(signature = (keys, ptrs, sizes, owner=None, queue=None, tag=0))]
     fn submit_put(
         &self,
         keys: Vec<Vec<u8>>,
         ptrs: Vec<usize>,
         sizes: Vec<usize>,
         owner: Option<Py<PyAny>>,
+        queue: Option<&PyCompletionQueue>,
+        tag: u64,
     ) -> PyResult<PyOp> {
-        self.submit_transfer(keys, ptrs, sizes, owner, true)
+        self.submit_transfer(keys, ptrs, sizes, owner, true, notify(queue, tag))
     }
 
-    /// Like get_into, on the I/O threads; `owner` as for submit_put.
-    #[pyo3(signature = (keys, ptrs, sizes, owner=None))]
+    /// Like get_into, on the I/O threads; `owner`, `queue` and `tag` as for submit_put. No
+    /// buffer is written once the Op is complete, whatever its statuses (TIMEOUT included).
+    #[pyo3(signature = (keys, ptrs, sizes, owner=None, queue=None, tag=0))]
     fn submit_get_into(
         &self,
         keys: Vec<Vec<u8>>,
         ptrs: Vec<usize>,
         sizes: Vec<usize>,
         owner: Option<Py<PyAny>>,
+        queue: Option<&PyCompletionQueue>,
+        tag: u64,
     ) -> PyResult<PyOp> {
-        self.submit_transfer(keys, ptrs, sizes, owner, false)
+        self.submit_transfer(keys, ptrs, sizes, owner, false, notify(queue, tag))
     }
 
     /// [(address, seconds or None, error or None)] per server.
@@ -370,22 +402,28 @@ impl PyClient {
         sizes: Vec<usize>,
         owner: Option<Py<PyAny>>,
         put: bool,
+        notify: Option<(CompletionQueue, u64)>,
     ) -> PyResult<PyOp> {
         let b = self.movable(&keys, &ptrs, &sizes)?;
+        let by = self.inner.deadline();
         Ok(PyOp {
-            op: self.inner.submit(move |c| {
-                // SAFETY: `owner` (moved in here) keeps the memory alive until the transfer is
-                // over; the Python wrapper checked writability for GET.
-                let st = unsafe {
-                    if put {
-                        c.put(&keys, &b)
-                    } else {
-                        c.get(&keys, &b)
-                    }
-                };
-                drop(owner);
-                OpResult::Statuses(st)
-            }),
+            op: self.inner.submit_to(
+                move |c| {
+                    // SAFETY: `owner` (moved in here) keeps the memory alive until the transfer
+                    // is over; the Python wrapper checked writability for GET.
+                    let st = unsafe {
+                        if put {
+                            c.put_by(&keys, &b, by)
+                        } else {
+                            c.get_by(&keys, &b, by)
+                        }
+                    };
+                    drop(owner);
+                    OpResult::Statuses(st)
+                },
+                if put { Lane::Bulk } else { Lane::Urgent },
+                notify,
+            ),
         })
     }
 }
@@ -438,17 +476,59 @@ impl PyOp {
 }
 
 impl PyOp {
-    /// The finished result, or None after `timeout` seconds (None or inf = no limit; a
-    /// negative wait is a poll).
+    /// The finished result, or None after `timeout` seconds (see `wait_limit`).
     fn result(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<OpResult>> {
-        let t = match timeout {
-            Some(s) if s.is_nan() => return Err(PyValueError::new_err("timeout is NaN")),
-            Some(s) if s == f64::INFINITY => None,
-            Some(s) => Some(seconds(s.max(0.0))?),
-            None => None,
-        };
+        let t = wait_limit(timeout)?;
         let op = self.op.clone();
         Ok(py.detach(move || op.wait(t)))
+    }
+}
+
+/// A wait's limit from Python seconds: None or inf = no limit; a negative wait is a poll.
+fn wait_limit(timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    Ok(match timeout {
+        Some(s) if s.is_nan() => return Err(PyValueError::new_err("timeout is NaN")),
+        Some(s) if s == f64::INFINITY => None,
+        Some(s) => Some(seconds(s.max(0.0))?),
+        None => None,
+    })
+}
+
+/// The announcement a submit_* asked for.
+fn notify(queue: Option<&PyCompletionQueue>, tag: u64) -> Option<(CompletionQueue, u64)> {
+    queue.map(|q| (q.queue.clone(), tag))
+}
+
+/// Where Ops submitted with it announce their completion: each pushes its integer tag once,
+/// when its result is ready (a panicked Op too), so one thread can wait for many Ops and then
+/// collect each with `wait(0)` without blocking.
+#[pyclass(frozen, name = "CompletionQueue", module = "memkv_vllm._native")]
+struct PyCompletionQueue {
+    queue: CompletionQueue,
+}
+
+#[pymethods]
+impl PyCompletionQueue {
+    #[new]
+    fn new() -> Self {
+        PyCompletionQueue {
+            queue: CompletionQueue::new(),
+        }
+    }
+
+    /// The tags of the Ops completed since the last call, in completion order. Waits (GIL
+    /// released) up to `timeout` seconds (None = no limit) for the first; an empty list when
+    /// the timeout passed or `wake()` was called first.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Vec<u64>> {
+        let t = wait_limit(timeout)?;
+        let q = self.queue.clone();
+        py.detach(move || no_panic(|| q.wait(t)))
+    }
+
+    /// Ends the current wait, or else the next one, even without a tag.
+    fn wake(&self) {
+        self.queue.wake();
     }
 }
 
@@ -546,6 +626,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::Nothing)?.install();
     m.add_class::<PyClient>()?;
     m.add_class::<PyOp>()?;
+    m.add_class::<PyCompletionQueue>()?;
     #[cfg(feature = "test-peer")]
     m.add_class::<testing::RdmaTestPeer>()?;
     m.add_function(wrap_pyfunction!(rendezvous, m)?)?;
