@@ -18,11 +18,10 @@
 # A summary line per Python at the end. Pythons not found are reported SKIPPED, not failed.
 #
 # Options: --quick  for CI's time budget: the suite without the slow tests (-m 'not slow'; CI's
-#                   scripts/test.sh ran them from the source build) on the oldest and the newest
-#                   Python (3.10, 3.13), and on those between only the smoke checks of step 3 and
-#                   the client, server, CLI and config tests (SMOKE_TESTS below). The wheel is
-#                   one abi3 binary for all of them; the ends of the range bracket the stdlib and
-#                   language changes the Python code meets;
+#                   scripts/test.sh ran them from the source build) on the newest Python (3.13),
+#                   and on the older ones only the smoke checks of step 3 and the client, server,
+#                   CLI and config tests (SMOKE_TESTS below). The wheel is one abi3 binary for all
+#                   of them; without --quick every Python runs the whole suite;
 #          anything after `--` goes to pytest.
 # Env: WHEEL_PYTHONS, PIP_ARGS (extra pip install arguments, e.g. --no-index --find-links DIR).
 set -euo pipefail
