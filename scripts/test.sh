@@ -29,7 +29,10 @@ cd "$ROOT"
 PY="${PYTHON:-python3}"
 VENV="$ROOT/.venv"
 # Build and test dependencies of .venv; keep in step with pyproject's [test] extra.
-DEPS=(maturin pytest hypothesis ruff mypy attrs pyyaml packaging numpy matplotlib redis hiredis)
+DEPS=(maturin pytest hypothesis ruff mypy attrs pyyaml packaging numpy matplotlib redis hiredis
+  # Only here, not in the [test] extra: the Kubernetes manifests' validation
+  # (tests/test_deploy_k8s.py) is the same on every Python, so the wheel's venvs skip it.
+  kubernetes-validate cloudcoil-models-prometheus-operator)
 VLLM_VENVS=(.venv-vllm .venv-vllm-0.25)
 # The tests' build of the extension: the wheel's features plus the test peer. A --features flag
 # replaces pyproject.toml's [tool.maturin] features instead of adding to them: keep both in step.

@@ -6,7 +6,7 @@ call is a separate process: a new engine with an empty CPU pool, so any prefix b
 compute itself came from the memkv cluster.
 
   python scripts/tier_engine.py --model DIR --servers HOST:PORT --prefix NS --out result.json
-         [--prompt-tokens 600] [--max-tokens 8] [--no-tier] [--repeat-ttft N]
+         [--prompt-tokens 600] [--max-tokens 8] [--no-tier] [--tp N]
          [--backend redis]   (then --servers are redis://HOST:PORT,...)
 
 Measures the time to first token of the prompt (a max_tokens=1 request, the first one this engine
@@ -81,6 +81,7 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--cpu-bytes", type=int, default=64 << 20)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (worker processes)")
     ap.add_argument("--no-tier", action="store_true", help="plain vLLM, no KV offloading")
     ap.add_argument("--settle-s", type=float, default=2.0,
                     help="idle time after the requests so stores reach the cluster")
@@ -96,7 +97,8 @@ def main() -> int:
                                                  args.backend)}
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=4, enforce_eager=True, seed=0, disable_log_stats=False, **kw)
+              max_num_seqs=4, enforce_eager=True, seed=0, disable_log_stats=False,
+              tensor_parallel_size=args.tp, **kw)
     startup = time.perf_counter() - t0
     prompt = prompt_text(args.prompt_tokens, args.prompt_seed)
     # Warm-up with an unrelated prompt shorter than a block (nothing to cache or offload): the

@@ -131,3 +131,14 @@ class RegisteringFakeClient(FakeClient):
             assert any(b <= p and p + n <= b + size for b, size in self.registered.items()), (
                 "transfer outside registered memory")
         return super()._transfer(op, keys, ptrs, sizes)
+
+
+class ShardedFakeClient(FakeClient):
+    """A FakeClient of several servers (`ShardedClient`): a key lives on the server named by its
+    first byte, so a test decides which probe answers and which one hangs."""
+
+    def by_server(self, keys: Sequence[bytes]) -> list[list[bytes]]:
+        groups: dict[int, list[bytes]] = {}
+        for k in keys:
+            groups.setdefault(k[0], []).append(k)
+        return list(groups.values())

@@ -84,6 +84,14 @@ class MemKVServer:
     def port(self) -> int:
         return int(self.address.rsplit(":", 1)[1])
 
+    @property
+    def metrics_port(self) -> int:
+        """The `--metrics` HTTP port (metrics=True binds a free one), from the server's log."""
+        for line in self.log().splitlines():
+            if " metrics=127.0.0.1:" in line:
+                return int(line.split(" metrics=127.0.0.1:")[1].split()[0])
+        raise AssertionError(f"no metrics port in the log: {self.log()}")
+
     def stats(self) -> dict:
         out = subprocess.run(memkv_command() + ["stats", "--json", "--servers", self.address],
                              capture_output=True, text=True, timeout=30,

@@ -572,3 +572,18 @@ def test_cli_rejects_a_bad_timeout_without_a_panic():
     assert out.returncode == 1
     assert "--timeout -1 is not a positive number of seconds" in out.stderr
     assert "panic" not in out.stderr.lower()
+
+
+def test_keys_grouped_by_server_are_the_keys_each_server_owns(memkv_cluster2):
+    """`by_server` (what the block store probes each server with) is the client's placement."""
+    c = client_for(*memkv_cluster2)
+    keys = [b"group/%d" % i for i in range(300)]
+    groups = c.by_server(keys)
+    assert len(groups) == 2 and sorted(k for g in groups for k in g) == sorted(keys)
+    for g in groups:
+        assert len({c.server_of(k) for k in g}) == 1
+        assert g == [k for k in keys if k in set(g)]  # in the keys' order
+    one = client_for(memkv_cluster2[0])
+    assert one.by_server(keys) == [keys] and one.by_server([]) == []
+    c.close()
+    one.close()

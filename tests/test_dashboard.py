@@ -16,12 +16,8 @@ from memkv_vllm.core.config import MemKVConfig
 
 
 def scrape(server) -> str:
-    port = None
-    for line in server.log().splitlines():
-        if " metrics=127.0.0.1:" in line:
-            port = int(line.split(" metrics=127.0.0.1:")[1].split()[0])
-    assert port, server.log()
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                  timeout=5).read().decode()
 
 
 def test_every_server_metric_the_dashboard_queries_is_exported(memkv_server_factory) -> None:

@@ -206,15 +206,17 @@ def test_servers_added_and_removed_under_traffic(net_hosts, three) -> None:
         c.close()
 
 
-def lookups(bs: BlockStore, keys: Sequence[bytes]) -> dict[bytes, Lookup]:
-    """Each key's verdict, stepping the store as a scheduler does (lookup, then flush)."""
-    out: dict[bytes, Lookup] = {}
-    deadline = time.monotonic() + 3 * OP_S + SLACK_S
+def lookups(bs: BlockStore, keys: Sequence[bytes]) -> dict[bytes, tuple[Lookup, float]]:
+    """Each key's verdict and the seconds it took to come, stepping the store as a scheduler
+    does (lookup, then flush)."""
+    out: dict[bytes, tuple[Lookup, float]] = {}
+    t0 = time.monotonic()
+    deadline = t0 + 3 * OP_S + SLACK_S
     while len(out) < len(keys):
         assert time.monotonic() < deadline, "lookups stayed pending past the lookup timeout"
         for k in keys:
             if k not in out and (v := bs.lookup(k)) is not Lookup.PENDING:
-                out[k] = v
+                out[k] = (v, time.monotonic() - t0)
         bs.flush_lookups()
         time.sleep(0.01)
     return out
@@ -238,9 +240,10 @@ def load(bs: BlockStore, job_id: int, keys: Sequence[bytes], dst: np.ndarray) ->
 @pytest.mark.parametrize("lookup_timeout_s", [OP_S / 2, 2 * OP_S])
 def test_the_block_store_through_a_partition(three, lookup_timeout_s: float) -> None:
     """The engines' layer: lookups of the black-holed server's keys answer MISS and its loads
-    fail, each within the deadlines; the rest load their bytes and, where the lookup timeout
-    outlasts the op deadline, hit at once; after the heal the same store hits and loads
-    everything again."""
+    fail, each within the deadlines; the other servers' keys hit at once, from the very first
+    lookup, whether the lookup timeout is shorter or longer than the op deadline (the store
+    probes each server on its own), and load their bytes; after the heal the same store hits
+    and loads everything again."""
     client = client_for(three)
     keys = [f"store/{i}".encode() for i in range(96)]
     assert set(store(client, keys)) == {Status.OK}
@@ -252,21 +255,17 @@ def test_the_block_store_through_a_partition(three, lookup_timeout_s: float) -> 
     dst = np.zeros((len(keys), VALUE), dtype=np.uint8)
     bs.register_buffer(int(dst.ctypes.data), dst.nbytes, owner=dst)
     victim.blackhole()
-    t0 = time.monotonic()
     verdicts = lookups(bs, keys)
-    assert time.monotonic() - t0 <= OP_S + SLACK_S + 0.5  # one lookup timeout, a few steps
-    hits = {k for k, v in verdicts.items() if v is Lookup.HIT}
-    if lookup_timeout_s > OP_S:
-        # The first probe that meets the silent server returns at the op deadline with the
-        # other servers' answers.
-        assert hits == set(keys) - cut
-    else:
-        # It outlasts the lookup timeout: the whole probe answers MISS (docs/deploy.md), and
-        # the next one, the server marked down by then, hits the other servers' keys.
-        assert hits == set()
-        deadline = time.monotonic() + 2 * OP_S + SLACK_S
-        while {k for k, v in lookups(bs, keys).items() if v is Lookup.HIT} != set(keys) - cut:
-            assert time.monotonic() < deadline, "the other servers' keys did not hit again"
+    hits = {k for k, (v, _) in verdicts.items() if v is Lookup.HIT}
+    assert hits == set(keys) - cut  # the first probe: the live servers' answers, only those
+    live_s = max(t for k, (_, t) in verdicts.items() if k in hits)
+    silent_s = max(t for k, (_, t) in verdicts.items() if k in cut)
+    print(f"partition, lookup timeout {lookup_timeout_s:g} s: the live servers' hits in "
+          f"{live_s:.3f} s, the silent server's misses in {silent_s:.3f} s")
+    # The live servers answer at network speed, not at a deadline; the silent one's keys at the
+    # earlier of the lookup timeout and the op deadline.
+    assert live_s < min(lookup_timeout_s, OP_S) / 2, live_s
+    assert silent_s <= min(lookup_timeout_s, OP_S) + SLACK_S, silent_s
     t0 = time.monotonic()
     c = load(bs, 1, keys, dst)
     assert time.monotonic() - t0 <= OP_S + SLACK_S

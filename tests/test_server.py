@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import struct
 import subprocess
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -152,12 +154,8 @@ def test_metrics_endpoint_speaks_prometheus(memkv_server_factory):
     c = MemKVClient(MemKVConfig(servers=(srv.address,)))
     c.put([b"m1", b"m2"], [b"a", b"b"])
     c.get_into([b"m1", b"zz"], [bytearray(1), bytearray(1)])
-    port = None
-    for line in srv.log().splitlines():
-        if " metrics=127.0.0.1:" in line:
-            port = int(line.split(" metrics=127.0.0.1:")[1].split()[0])
-    assert port, srv.log()
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics",
+                                  timeout=5).read().decode()
     metrics = dict(
         line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
     )
@@ -168,6 +166,19 @@ def test_metrics_endpoint_speaks_prometheus(memkv_server_factory):
     assert int(metrics["memkv_connections_accepted_total"]) >= 1
     assert int(metrics["memkv_connections"]) >= 1
     assert not [n for n in metrics if n.endswith("_total_total")]
+
+
+def test_healthz_answers_while_serving_and_stops_with_the_server(memkv_server_factory):
+    """The probe of deploy/k8s: 200 "ok" from a serving server, nothing once SIGTERM stopped it."""
+    srv = memkv_server_factory(memory="16M", lanes=2, metrics=True)
+    url = f"http://127.0.0.1:{srv.metrics_port}/healthz"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        assert (reply.status, reply.read()) == (200, b"ok\n")
+    assert srv.proc is not None
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(30) == 0
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url, timeout=5)
 
 
 def test_sigterm_drains_and_exits_cleanly(memkv_server):

@@ -59,20 +59,13 @@ def open_fds(srv) -> int:
     return len(list(Path(f"/proc/{srv.proc.pid}/fd").iterdir()))
 
 
-def metrics_port(srv) -> int:
-    for line in srv.log().splitlines():
-        if " metrics=127.0.0.1:" in line:
-            return int(line.split(" metrics=127.0.0.1:")[1].split()[0])
-    raise AssertionError(srv.log())
-
-
 def scrape(port: int) -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
 
 
 def test_metrics_port_floods_cost_neither_threads_nor_memory(memkv_server_factory):
     srv = memkv_server_factory(memory="64M", auth_key=KEY, metrics=True)
-    port = metrics_port(srv)
+    port = srv.metrics_port
     assert "memkv_items 0" in scrape(port)
     threads, base = proc_status(srv.proc.pid, "Threads"), rss(srv)
     # Silent connections: each once took a thread of the HTTP server, without limit.

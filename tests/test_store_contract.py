@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from fakes import FakeClient, FakeClock, RegisteringFakeClient
+from fakes import FakeClient, FakeClock, RegisteringFakeClient, ShardedFakeClient
 
 from memkv_vllm.core.interface import Lookup, Offloader, Status
 from memkv_vllm.core.store import BlockStore, StoreOptions
@@ -99,6 +99,28 @@ def test_an_unanswered_probe_is_a_miss_at_its_deadline(rig) -> None:
     assert r.store.stats()["lookup_timeouts"] == 1
     r.client.probes[0].answer()  # a late answer changes nothing
     assert r.store.lookup(b"k") is Lookup.MISS
+
+
+def test_a_silent_server_turns_only_its_own_keys_into_misses(rig) -> None:
+    """One probe per server: the answering servers' verdicts come when they answer, the silent
+    server's keys miss at the lookup deadline, and the batch is still counted as one probe."""
+    r = rig(client=ShardedFakeClient(auto_answer=False), lookup_timeout_s=5.0)
+    keys = [b"a1", b"b1", b"a2", b"c1"]
+    for k in keys:
+        r.client.data[k] = b"x" * ROW
+    assert [r.store.lookup(k) for k in keys] == [Lookup.PENDING] * 4
+    r.store.flush_lookups()
+    by_first = {p.keys[0][:1]: p for p in r.client.probes}
+    assert {k: p.keys for k, p in by_first.items()} == {
+        b"a": [b"a1", b"a2"], b"b": [b"b1"], b"c": [b"c1"]}
+    by_first[b"a"].answer()
+    by_first[b"c"].answer()  # b's server is partitioned: its probe never answers
+    assert [r.store.lookup(k) for k in keys] == [
+        Lookup.HIT, Lookup.PENDING, Lookup.HIT, Lookup.HIT]
+    r.clock.advance(5.001)
+    assert r.store.lookup(b"b1") is Lookup.MISS
+    st = r.store.stats()
+    assert (st["probes"], st["probe_keys"], st["lookup_timeouts"]) == (1, 4, 1)
 
 
 def test_probe_of_many_keys_is_one_batch_and_cancelled_keys_are_not_sent(rig) -> None:

@@ -130,10 +130,11 @@ class CodesClient:
     :class:`memkv_vllm.core.interface.BlockClient` and
     :class:`memkv_vllm.core.interface.AsyncBlockClient`."""
 
-    __slots__ = ("_c",)
+    __slots__ = ("_c", "_n_servers")
 
     def __init__(self, native: _native.Client) -> None:
         self._c = native
+        self._n_servers = len(native.servers())
 
     # -- blocking calls (GIL released during I/O) ------------------------------------------
 
@@ -164,6 +165,17 @@ class CodesClient:
 
     def delete(self, keys: Sequence[bytes]) -> bytes:
         return self._c.delete(keys)
+
+    def by_server(self, keys: Sequence[bytes]) -> list[list[bytes]]:
+        """`keys` grouped by owning server (`ShardedClient`): the block store probes each group
+        on its own, so a partitioned server delays only its own keys' verdicts."""
+        if self._n_servers == 1:
+            return [list(keys)] if keys else []
+        groups: dict[int, list[bytes]] = {}
+        server_of = self._c.server_of
+        for k in keys:
+            groups.setdefault(server_of(k), []).append(k)
+        return list(groups.values())
 
     # -- submitted calls (native I/O threads; owners kept alive until done) ------------------
 
@@ -304,6 +316,10 @@ class MemKVClient:
 
     def delete(self, keys: Sequence[bytes]) -> list[Status]:
         return _statuses(self.codes.delete(keys))
+
+    def by_server(self, keys: Sequence[bytes]) -> list[list[bytes]]:
+        """As :meth:`CodesClient.by_server`."""
+        return self.codes.by_server(keys)
 
     # -- submitted calls (native I/O threads; owners kept alive until done) ------------------
 

@@ -12,7 +12,8 @@ Two boundaries, each a `typing.Protocol` so that either side can be replaced wit
   that one thread waits for all of them; the block store drives that face, and runs a plain
   `BlockClient` through it on a small pool (memkv_vllm.core.completions).
   `memkv_vllm.core.client.MemKVClient`'s `codes` face implements both; `RegisteringClient` adds
-  the optional registration step transports such as RDMA need.
+  the optional registration step transports such as RDMA need, `ShardedClient` the placement that
+  lets an offloader probe each server on its own deadline.
 
 Direct mode (memkv_vllm.direct, memkv_vllm.offload) adds two more:
 
@@ -236,6 +237,19 @@ class RegisteringClient(Protocol):
 
     def unregister_buffer(self, ptr: int) -> None:
         """Undo `register_buffer(ptr, ...)`. No transfer touching the region is running."""
+        ...
+
+
+@runtime_checkable
+class ShardedClient(Protocol):
+    """A `BlockClient` whose keys each live on one of several servers, and which says where. The
+    offloader then probes each server's keys as a probe of its own: a silent server (a partition)
+    runs into the lookup deadline with its own keys only, while the other servers' answers arrive
+    as they come. One probe over all servers would answer when its slowest server does."""
+
+    def by_server(self, keys: Sequence[bytes]) -> list[list[bytes]]:
+        """`keys` grouped by the server that holds each, in their order within a group; no empty
+        groups. Pure placement: no I/O."""
         ...
 
 

@@ -5,9 +5,11 @@ The contract (callers, threads, post-conditions, failures) is written down in in
 module only adds how memkv meets it:
 
 * Lookups answer from a bounded verdict cache (`max_verdicts`, oldest entries go first); unknown
-  keys are queued and `flush_lookups()` sends them as ONE `submit_exists` with a server lease, so
-  a hit survives until its load. Verdicts expire (`hit_ttl_s`, `miss_ttl_s`). `renew_leases`
-  sends the same probe again for keys about to load; its answers are read at the next flush.
+  keys are queued and `flush_lookups()` sends them as one `submit_exists` per server (ONE where
+  the client does not say where keys live) with a server lease, so a hit survives until its
+  load, and a silent server's deadline costs only its own keys. Verdicts expire (`hit_ttl_s`,
+  `miss_ttl_s`). `renew_leases` sends the same probe again for keys about to load; its answers
+  are read at the next flush.
 * Jobs are cut into operations of `blocks_per_op` keys, each submitted to the client's
   asynchronous batched calls (`AsyncBlockClient`: the native client's I/O threads) with a tag
   announcing its completion on one completion queue. At most `n_read_threads` load and
@@ -42,6 +44,7 @@ from memkv_vllm.core.interface import (
     Completion,
     Lookup,
     RegisteringClient,
+    ShardedClient,
     Status,
 )
 
@@ -122,6 +125,8 @@ class BlockStore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
+        # Asked once: a runtime Protocol check costs microseconds, the flush runs every step.
+        self._sharded = isinstance(client, ShardedClient)
         self.options = opts = options or StoreOptions()
         self._clock = clock
         # key -> (verdict, expiry); insertion-ordered so the oldest entries go first when full.
@@ -237,14 +242,29 @@ class BlockStore:
             return
         keys = list(self._queued)
         self._queued.clear()
+        self._stats["probes"] += 1
+        self._stats["probe_keys"] += len(keys)
+        for group in self._probe_groups(keys):
+            self._probe(group, now)
+
+    def _probe_groups(self, keys: list[bytes]) -> list[list[bytes]]:
+        """One group per server where the client says where keys live (`ShardedClient`): each
+        group's probe meets the lookup deadline on its own, so a partitioned server turns only its
+        own keys into misses and the other servers' hits arrive when they answer."""
+        if self._sharded:
+            try:
+                return self._client.by_server(keys)  # type: ignore[union-attr]  # ShardedClient
+            except Exception as e:  # placement is pure; still, one probe beats no probe
+                logger.warning("memkv: grouping %d keys by server failed (%s)", len(keys), e)
+        return [keys]
+
+    def _probe(self, keys: list[bytes], now: float) -> None:
         op = None
         if self._client is not None:
             try:
                 op = self._client.submit_exists(keys, lease_ms=self.options.lookup_lease_ms)
             except Exception as e:  # a broken client is a miss, never an engine failure
                 logger.warning("memkv exists probe failed to start (%s); treating as misses", e)
-        self._stats["probes"] += 1
-        self._stats["probe_keys"] += len(keys)
         if op is None:
             self._stats["lookup_errors"] += len(keys)
             for k in keys:

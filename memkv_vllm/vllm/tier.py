@@ -27,8 +27,8 @@ live in Redis / Valkey (docs/redis.md).
 What vLLM's own tiers promise, this one keeps (tests/tier/test_conformance.py): drain_jobs()
 leaves every job's result available, the tier declares its medium and locality (so per-request
 kv_load_tiers filters apply), publishes KV events when asked, shares blocks across parallel
-layouts exactly where vLLM's FileMapper says the bytes are the same, and works from the first
-call (the key namespace does not wait for vLLM's NONE_HASH).
+layouts only where the layout makes a pool row's bytes the same (compat's `rows_portable`), and
+works from the first call (the key namespace does not wait for vLLM's NONE_HASH).
 """
 
 from __future__ import annotations

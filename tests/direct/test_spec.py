@@ -243,5 +243,8 @@ def test_stored_chunks_become_kv_events_when_the_engine_publishes_them():
         out = list(m.take_events())
         assert [list(e.keys) for e in out] == ([ks] if events else [])
         assert all(e.removed is False for e in out)
+        # for a router: in the shared cluster, not in this engine (0.26 names media by string)
+        storage = kvb.Medium.STORAGE if hasattr(kvb, "Medium") else "STORAGE"
+        assert all(e.medium == storage for e in out)
         assert list(m.take_events()) == []  # each event once
         m.shutdown()

@@ -2,7 +2,7 @@
 """Run ONE vLLM engine process in direct mode, serve a prompt, report as JSON (tests/e2e).
 
   python tests/e2e/direct_engine.py --model DIR --servers HOST:PORT --prefix NS --out r.json
-         [--prompt-tokens 600] [--max-tokens 8] [--kv-config JSON]
+         [--prompt-tokens 600] [--max-tokens 8] [--kv-config JSON] [--tp N]
 
 Each call is a new engine with an empty prefix cache, so prefix blocks it does not compute came
 from the memkv cluster. The prompt is served once with max_tokens=1 (its num_cached_tokens says
@@ -45,6 +45,7 @@ def main() -> int:
     ap.add_argument("--kv-config", default="", help="the whole --kv-transfer-config, as JSON")
     ap.add_argument("--no-offload", action="store_true", help="plain vLLM (the cold reference)")
     ap.add_argument("--settle-s", type=float, default=1.0)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (worker processes)")
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -54,7 +55,8 @@ def main() -> int:
         args.servers, args.prefix, args.block_size or None)
     kw = {} if args.no_offload else {"kv_transfer_config": kv}
     llm = LLM(model=args.model, dtype="float32", max_model_len=1024, max_num_seqs=4,
-              enforce_eager=True, seed=0, disable_log_stats=False, **kw)
+              enforce_eager=True, seed=0, disable_log_stats=False, tensor_parallel_size=args.tp,
+              **kw)
     prompt = prompt_text(args.prompt_tokens)
     first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0,
                                                   ignore_eos=True), use_tqdm=False)[0]

