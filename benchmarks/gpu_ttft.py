@@ -40,6 +40,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -207,11 +208,19 @@ class Run:
         print(f"[gpu_ttft] engine {name} ...", flush=True)
         log = self.work / f"{name}.log"
         with log.open("w") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONHASHSEED": "0",
-                                     "PYTHONPATH": os.pathsep.join(
-                                         [str(ROOT), os.environ.get("PYTHONPATH", "")])},
-                                timeout=self.args.engine_timeout_s).returncode
+            # A session of its own: a timed-out engine is killed with its engine core and
+            # workers, which would otherwise outlive it holding memory and /dev/shm queues.
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True,
+                                    env={**os.environ, "PYTHONHASHSEED": "0",
+                                         "PYTHONPATH": os.pathsep.join(
+                                             [str(ROOT), os.environ.get("PYTHONPATH", "")])})
+            try:
+                rc = proc.wait(timeout=self.args.engine_timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
         if rc:
             sys.stderr.write(log.read_text()[-4000:])
             raise SystemExit(f"engine {name} failed (rc {rc}); log {log}")
