@@ -20,13 +20,16 @@
 #
 # Options: --no-rust (skip step 2), --no-e2e (skip step 5), --setup (only step 1),
 #          anything after `--` goes to every pytest call (e.g. -- -k config -x).
-# Env: PYTHON (interpreter for .venv, default python3), E2E_TIMEOUT (seconds per vLLM venv, 1800).
+# Env: PYTHON (interpreter for .venv, default python3), E2E_TIMEOUT (seconds per vLLM venv, 1800),
+#      MEMKV_REPORT_DIR (a folder for each pytest call's JUnit XML and this script's summary:
+#      CI prints the slowest tests from them).
 # Exit status: 0 when every step passed; a step that collects no tests counts as passed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 
 PY="${PYTHON:-python3}"
+[[ -z "${MEMKV_REPORT_DIR:-}" ]] || mkdir -p "$MEMKV_REPORT_DIR"
 VENV="$ROOT/.venv"
 # Build and test dependencies of .venv; keep in step with pyproject's [test] extra.
 DEPS=(maturin pytest hypothesis ruff mypy attrs pyyaml packaging numpy matplotlib redis hiredis
@@ -72,10 +75,12 @@ step() {  # step <name> <command...>: run, record, never abort the script
   return 0
 }
 summary() {
-  printf '\n==> summary (%ss total)\n' "$(( $(date +%s) - T0 ))"
-  local line
-  for line in "${SUMMARY[@]}"; do printf '    %s\n' "$line"; done
-  ((FAILED == 0)) && echo "==> all passed" || echo "==> FAILED"
+  {
+    printf '\n==> summary (%ss total)\n' "$(( $(date +%s) - T0 ))"
+    local line
+    for line in "${SUMMARY[@]}"; do printf '    %s\n' "$line"; done
+    ((FAILED == 0)) && echo "==> all passed" || echo "==> FAILED"
+  } | if [[ -n "${MEMKV_REPORT_DIR:-}" ]]; then tee "$MEMKV_REPORT_DIR/test-summary.txt"; else cat; fi
 }
 
 # --- 1. .venv -----------------------------------------------------------------------------------
@@ -168,7 +173,12 @@ built=1
 [[ "${SUMMARY[-1]}" == *FAIL* ]] && built=0
 
 # --- 4. pytest in .venv -------------------------------------------------------------------------
-step "pytest tests/ (.venv)" "$VENV/bin/python" -m pytest tests -ra "${PYTEST_ARGS[@]}"
+junit() {  # junit <name>: JUNIT=(the pytest flag that writes MEMKV_REPORT_DIR/<name>.xml), if set
+  JUNIT=()
+  [[ -z "${MEMKV_REPORT_DIR:-}" ]] || JUNIT=("--junitxml=$MEMKV_REPORT_DIR/$1.xml")
+}
+junit venv
+step "pytest tests/ (.venv)" "$VENV/bin/python" -m pytest tests -ra "${JUNIT[@]}" "${PYTEST_ARGS[@]}"
 
 # --- 5. e2e with real vLLM ----------------------------------------------------------------------
 # shellcheck disable=SC2329  # invoked through step
@@ -183,8 +193,9 @@ e2e_in() {  # e2e_in <venv>
   # same features as above, or it would rebuild the module without the test peer.
   VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" "$VENV/bin/maturin" "${MATURIN_DEVELOP[@]}" -q \
     || return 1
+  junit "$(basename "$venv")"
   timeout --kill-after=30 "${E2E_TIMEOUT:-1800}" \
-    "$venv/bin/python" -m pytest "${dirs[@]}" -ra "${PYTEST_ARGS[@]}"
+    "$venv/bin/python" -m pytest "${dirs[@]}" -ra "${JUNIT[@]}" "${PYTEST_ARGS[@]}"
 }
 if ((run_e2e && !built)); then
   SUMMARY+=("$(printf '%-44s %-26s' "e2e with real vLLM" "SKIPPED (build failed)")")
@@ -208,8 +219,9 @@ fi
 SGLANG_VENV=.venv-sglang
 # shellcheck disable=SC2329  # invoked through step
 sglang_in() {  # the servers are the build just installed into .venv (step 3)
+  junit sglang
   MEMKV_BIN="${MEMKV_BIN:-$VENV/bin/memkv}" timeout --kill-after=30 "${E2E_TIMEOUT:-1800}" \
-    "$ROOT/$SGLANG_VENV/bin/python" -m pytest tests/hicache -ra "${PYTEST_ARGS[@]}"
+    "$ROOT/$SGLANG_VENV/bin/python" -m pytest tests/hicache -ra "${JUNIT[@]}" "${PYTEST_ARGS[@]}"
 }
 if ((run_e2e && built)); then
   name="pytest tests/hicache ($SGLANG_VENV)"

@@ -216,7 +216,9 @@ def test_kill_9_mid_writes_loses_at_most_values_in_flight_and_serves_no_torn_one
     c.close()
     # A torn value under a valid header too: the newest segment's last record loses its tail
     # (as a write cut by a crash leaves it), and the file is cut mid-record after it.
-    newest = segments(disk_dir)[-1]
+    # The newest segment holding a whole value: the kill may land just after a segment was
+    # opened, before any record reached it.
+    newest = [s for s in segments(disk_dir) if s.stat().st_size >= V + 8192][-1]
     size = newest.stat().st_size
     with open(newest, "r+b") as f:
         f.seek(size - 8192)
