@@ -5,7 +5,9 @@ Prints, per layout, scratch medium and job size (blocks per job):
              the reverse (load side), through the offloader's mover alone, no network: one job
              (submit to its CUDA event), then --stream jobs submitted back to back (S columns);
   * memkv  — a whole store job and a whole load job through KVOffloader and a local `memkv serve`,
-             submit to drain: one job, then --stream jobs submitted together (S columns);
+             submit to drain: one job, then --stream jobs submitted together (S columns), over
+             --transport (tcp, or shm: the same-host path); load1 is the first load, whose
+             connections and mappings are fresh, as in an engine after a restart;
 and the ceilings: a pinned device<->host copy of the same bytes as one contiguous copy, and
 loopback TCP between threads of this process, over one connection (a sender and a receiver
 thread) and over --conns connections (the client's connection count; %min uses this one, the
@@ -66,7 +68,7 @@ def pinned_ceiling(nbytes: int, repeat: int) -> tuple[float, float]:
 def offloader(address: str, kv: PagedKV, medium: str, n: int, method: str,
               a: argparse.Namespace) -> KVOffloader:
     cfg = load_config({"servers": [address], "connections_per_server": a.conns,
-                       "io_threads": a.io_threads})
+                       "io_threads": a.io_threads, "transport": a.transport})
     store = BlockStore(MemKVClient.from_config(cfg).codes,
                        StoreOptions(n_read_threads=a.io_threads, n_write_threads=a.io_threads,
                                     blocks_per_op=1))
@@ -112,8 +114,9 @@ def copy_only(off: KVOffloader, n: int, repeat: int, stream: int) -> tuple[float
 
 
 def through_memkv(off: KVOffloader, n: int, repeat: int, tag: str, jobs: int
-                  ) -> tuple[float, float]:
-    """Store and load GB/s of `jobs` jobs of `n` blocks submitted together, submit to drain."""
+                  ) -> tuple[float, float, float]:
+    """Store and load GB/s of `jobs` jobs of `n` blocks submitted together, submit to drain; and
+    the first load's GB/s (what a restarted engine sees: fresh connections and mappings)."""
     ids = iter(range(1, 1 << 30))
     last: list[Entry] = []
 
@@ -131,9 +134,12 @@ def through_memkv(off: KVOffloader, n: int, repeat: int, tag: str, jobs: int
         assert off.drain(60)
         assert all(r.ok for r in off.poll()), "load failed"
 
-    store(), load()
+    store()
+    t0 = time.perf_counter()
+    load()
+    first = time.perf_counter() - t0
     nb = jobs * n * off.kv.value_bytes[0]
-    return gbps(nb, best(store, repeat)), gbps(nb, best(load, repeat))
+    return gbps(nb, best(store, repeat)), gbps(nb, best(load, repeat)), nb / first / 1e9
 
 
 def main() -> None:
@@ -152,17 +158,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="KVOffloader batch_values")
     ap.add_argument("--stream", type=int, default=8, help="jobs per streamed run")
     ap.add_argument("--lanes", type=int, default=8, help="memkv serve --lanes")
+    ap.add_argument("--transport", default="tcp", choices=["tcp", "shm", "auto"],
+                    help="the client's transport (shm: the same-host path)")
     a = ap.parse_args()
     sizes = [int(x) for x in a.blocks.split(",")]
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {a.conns} "
           f"connections, {a.io_threads} I/O threads, {a.batch} values per batch, "
-          f"{a.stream} jobs per stream, server lanes {a.lanes}")
+          f"{a.stream} jobs per stream, server lanes {a.lanes}, transport {a.transport}")
     srv = MemKVServer(memory=a.memory, lanes=a.lanes).start()
     try:
         print(f"{'layout':6} {'medium':6} {'method':9} {'blocks':>6} {'MiB':>5} | {'pinD2H':>6} "
               f"{'pinH2D':>6} {'TCP1':>5} {'TCP' + str(a.conns):>5} | {'gather':>6} {'%':>3} "
               f"{'scat':>5} {'%':>3} {'subus':>5} | {'gathS':>5} {'%':>3} {'scatS':>5} {'%':>3} | "
-              f"{'store':>5} {'load':>5} {'%min':>4} | {'storeS':>6} {'loadS':>5} {'%min':>4}")
+              f"{'store':>5} {'load':>5} {'%min':>4} {'load1':>5} | {'storeS':>6} {'loadS':>5} "
+              f"{'%min':>4}")
         for layout in a.layouts.split(","):
             kv = make_kv(layout, 2 * max(sizes))
             vb = kv.value_bytes[0]
@@ -175,8 +184,8 @@ def main() -> None:
                 off = offloader(srv.address, kv, medium, n, method, a)
                 g, s, gs, ss, us = copy_only(off, n, a.repeat, a.stream)
                 tag = f"{layout}{medium}{method}{n}"
-                st, ld = through_memkv(off, n, a.repeat, tag, 1)
-                sts, lds = through_memkv(off, n, a.repeat, tag + "s", a.stream)
+                st, ld, ld1 = through_memkv(off, n, a.repeat, tag, 1)
+                sts, lds, _ = through_memkv(off, n, a.repeat, tag + "s", a.stream)
                 off.close()
                 floor = min(d2h, h2d, tcpn)
                 print(f"{layout:6} {medium:6} {method:9} {n:>6} {nb / 2**20:>5.0f} | {d2h:>6.1f} "
@@ -184,7 +193,7 @@ def main() -> None:
                       f"{s:>5.1f} {100 * s / h2d:>3.0f} {us:>5.0f} | "
                       f"{gs:>5.1f} {100 * gs / d2h:>3.0f} {ss:>5.1f} {100 * ss / h2d:>3.0f} | "
                       f"{st:>5.1f} {ld:>5.1f} "
-                      f"{100 * min(st, ld) / floor:>4.0f} | {sts:>6.1f} {lds:>5.1f} "
+                      f"{100 * min(st, ld) / floor:>4.0f} {ld1:>5.1f} | {sts:>6.1f} {lds:>5.1f} "
                       f"{100 * min(sts, lds) / floor:>4.0f}", flush=True)
     finally:
         srv.kill()

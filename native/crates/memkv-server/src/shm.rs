@@ -11,6 +11,12 @@
 //! only tmpfs and hugetlbfs files opened for reading and writing are mapped (no disk or FUSE
 //! file can stall a copy), and a region whose file shrinks under the mapping turns into a
 //! failed transfer, not a SIGBUS (`fault_guard`).
+//!
+//! A mapping is shared by every connection that hands the server the same part of the same
+//! file (a client's connections all pass its one pool), and the pages its file already holds
+//! are faulted in once, in the background (`populate`): the first copy into a fresh mapping
+//! otherwise pays a page fault per 4 KiB page, on every connection, under the process's memory
+//! map lock, and runs at a fraction of memcpy speed.
 
 use std::collections::HashMap;
 use std::io;
@@ -19,8 +25,8 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex, Weak};
 
 use memkv_proto::{Descriptor, ShmRegion};
 
@@ -68,10 +74,17 @@ impl Default for ShmConfig {
 const TMPFS_MAGIC: u64 = 0x0102_1994;
 const HUGETLBFS_MAGIC: u64 = 0x9584_58f6;
 
-/// What every connection shares: the bounds and the mapped bytes now.
+/// Which part of which file a mapping shows: (device, inode, offset, length).
+type MapKey = (u64, u64, u64, u64);
+
+/// What every connection shares: the bounds, the mapped bytes now, and the mappings.
 pub struct ShmShared {
     cfg: ShmConfig,
     mapped: Arc<AtomicU64>,
+    /// Live mappings by the file part they show, for the next connection that passes it.
+    maps: Mutex<HashMap<MapKey, Weak<Mapping>>>,
+    /// New mappings for the populate thread (started with the first).
+    populate: Mutex<Option<mpsc::Sender<Weak<Mapping>>>>,
 }
 
 impl ShmShared {
@@ -80,6 +93,48 @@ impl ShmShared {
         ShmShared {
             cfg,
             mapped: Arc::new(AtomicU64::new(0)),
+            maps: Mutex::new(HashMap::new()),
+            populate: Mutex::new(None),
+        }
+    }
+
+    /// The live mapping of `key`, or a new one made by `make` (and handed to the populate
+    /// thread). A dead mapping (its file shrank under a copy) is never handed out again.
+    fn mapping(
+        &self,
+        key: MapKey,
+        make: impl FnOnce() -> Result<Mapping, String>,
+    ) -> Result<Arc<Mapping>, String> {
+        let mut maps = self.maps.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = maps.get(&key).and_then(Weak::upgrade) {
+            if !m.dead.load(Ordering::Acquire) {
+                return Ok(m);
+            }
+        }
+        maps.retain(|_, w| w.strong_count() > 0);
+        let m = Arc::new(make()?);
+        maps.insert(key, Arc::downgrade(&m));
+        drop(maps);
+        if m.populate {
+            self.populate_later(Arc::downgrade(&m));
+        }
+        Ok(m)
+    }
+
+    fn populate_later(&self, m: Weak<Mapping>) {
+        let mut tx = self.populate.lock().unwrap_or_else(|e| e.into_inner());
+        if tx.is_none() {
+            let (send, recv) = mpsc::channel();
+            let spawned = std::thread::Builder::new()
+                .name("memkv-shm-populate".into())
+                .spawn(move || recv.iter().for_each(|m| populate(&m)));
+            if spawned.is_err() {
+                return; // copies fault the pages in themselves
+            }
+            *tx = Some(send);
+        }
+        if let Some(tx) = tx.as_ref() {
+            let _ = tx.send(m);
         }
     }
 
@@ -171,23 +226,84 @@ impl Drop for Charge {
     }
 }
 
-/// A client region mapped into the server.
-struct Region {
-    /// The mapping (page-aligned start and length).
+/// A part of a client's file mapped into the server, shared by the regions that show it.
+struct Mapping {
+    /// Page-aligned start and length.
     map: (usize, usize),
-    /// Where the region's first byte lies in the mapping.
-    start: usize,
-    len: u64,
     /// A copy faulted (the file shrank): the mapping is anonymous memory now.
-    dead: bool,
+    dead: AtomicBool,
+    /// Its file's resident pages are to be faulted in ahead of the copies (tmpfs: base pages).
+    populate: bool,
     _charge: Charge,
 }
 
-impl Drop for Region {
+impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: the mapping this region made; nothing copies in it any more.
+        // SAFETY: the mapping this value made; no region refers to it any more, and the populate
+        // thread holds a strong reference while it works on it.
         unsafe { libc::munmap(self.map.0 as *mut libc::c_void, self.map.1) };
     }
+}
+
+/// Pages faulted in per step of `populate` (a step holds the mapping alive).
+const POPULATE_STEP: usize = 256 << 20;
+
+/// Faults in the pages of `m` that its file already holds (`mincore`), so that copies do not
+/// take one fault per page. A hole is left alone: faulting it would allocate the client's file
+/// on the server's account. Stops when the mapping is gone or dead; an error (a kernel without
+/// MADV_POPULATE_WRITE, a file shrunk meanwhile) leaves the rest to the copies.
+fn populate(m: &Weak<Mapping>) {
+    let page = 4096usize;
+    let mut resident = vec![0u8; POPULATE_STEP / page];
+    let mut off = 0usize;
+    loop {
+        let Some(m) = m.upgrade() else { return };
+        let (start, len) = m.map;
+        if off >= len || m.dead.load(Ordering::Acquire) {
+            return;
+        }
+        let n = POPULATE_STEP.min(len - off);
+        let base = start + off;
+        // SAFETY: [base, base + n) lies inside the mapping `m` keeps alive; the vector has a byte
+        // per page of it.
+        if unsafe { libc::mincore(base as *mut libc::c_void, n, resident.as_mut_ptr()) } != 0 {
+            return;
+        }
+        let pages = n.div_ceil(page);
+        let mut p = 0;
+        while p < pages {
+            if resident[p] & 1 == 0 {
+                p += 1;
+                continue;
+            }
+            let run = resident[p..pages]
+                .iter()
+                .take_while(|r| *r & 1 != 0)
+                .count();
+            // SAFETY: advice on resident pages of a mapping `m` keeps alive; a page its file
+            // lost meanwhile makes the call fail (EFAULT), it raises no SIGBUS.
+            let rc = unsafe {
+                libc::madvise(
+                    (base + p * page) as *mut libc::c_void,
+                    (run * page).min(n - p * page),
+                    libc::MADV_POPULATE_WRITE,
+                )
+            };
+            if rc != 0 {
+                return;
+            }
+            p += run;
+        }
+        off += n;
+    }
+}
+
+/// A client region mapped into the server.
+struct Region {
+    mapping: Arc<Mapping>,
+    /// Where the region's first byte lies in the mapping.
+    start: usize,
+    len: u64,
 }
 
 /// Where a descriptor points: the address in the server and the mapping it lies in.
@@ -261,50 +377,57 @@ impl ShmPeer {
         let map_off = r.file_offset - r.file_offset % align;
         let start = (r.file_offset - map_off) as usize;
         let map_len = (start as u64 + r.len).div_ceil(align) * align;
-        let charged = shared
-            .mapped
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |m| {
-                m.checked_add(map_len)
-                    .filter(|t| *t <= cfg.max_mapped_bytes)
-            });
-        if charged.is_err() {
-            return Err(format!(
-                "the server has {} bytes of client regions mapped; {map_len} more would pass \
-                 its bound of {} (--max-shm-mapped)",
-                shared.mapped_bytes(),
-                cfg.max_mapped_bytes
-            ));
-        }
-        let charge = Charge {
-            mapped: shared.mapped.clone(),
-            bytes: map_len,
-        };
-        // SAFETY: a fresh shared mapping of a file we checked; the mapping is ours until the
-        // region drops. The descriptor may close after mmap.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                raw,
-                map_off as libc::off_t,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(format!(
-                "cannot map the region: {}",
-                io::Error::last_os_error()
-            ));
-        }
+        let key = (st.st_dev, st.st_ino, map_off, map_len);
+        let mapping = shared.mapping(key, || {
+            let charged = shared
+                .mapped
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |m| {
+                    m.checked_add(map_len)
+                        .filter(|t| *t <= cfg.max_mapped_bytes)
+                });
+            if charged.is_err() {
+                return Err(format!(
+                    "the server has {} bytes of client regions mapped; {map_len} more would \
+                     pass its bound of {} (--max-shm-mapped)",
+                    shared.mapped_bytes(),
+                    cfg.max_mapped_bytes
+                ));
+            }
+            let charge = Charge {
+                mapped: shared.mapped.clone(),
+                bytes: map_len,
+            };
+            // SAFETY: a fresh shared mapping of a file we checked; the mapping is ours until the
+            // Mapping drops. The descriptor may close after mmap.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    map_len as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    raw,
+                    map_off as libc::off_t,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(format!(
+                    "cannot map the region: {}",
+                    io::Error::last_os_error()
+                ));
+            }
+            Ok(Mapping {
+                map: (p as usize, map_len as usize),
+                dead: AtomicBool::new(false),
+                populate: sfs.f_type as u64 == TMPFS_MAGIC,
+                _charge: charge,
+            })
+        })?;
         self.regions.insert(
             r.id,
             Region {
-                map: (p as usize, map_len as usize),
+                mapping,
                 start,
                 len: r.len,
-                dead: false,
-                _charge: charge,
             },
         );
         Ok(())
@@ -322,19 +445,24 @@ impl ShmPeer {
     /// Where `d` points, when it lies wholly inside a live region of this connection.
     pub fn place(&self, d: &Descriptor) -> Option<Place> {
         let id = u32::try_from(d.rkey).ok()?;
-        let r = self.regions.get(&id).filter(|r| !r.dead)?;
+        let r = self.regions.get(&id)?;
+        if r.mapping.dead.load(Ordering::Acquire) {
+            return None;
+        }
         let end = d.addr.checked_add(d.len)?;
+        let map = r.mapping.map;
         (end <= r.len).then(|| Place {
-            addr: r.map.0 + r.start + d.addr as usize,
-            mapping: r.map,
+            addr: map.0 + r.start + d.addr as usize,
+            mapping: map,
             region: id,
         })
     }
 
-    /// Marks a region whose copy faulted: none of its transfers is served again.
+    /// Marks the mapping of a region whose copy faulted: none of its transfers is served again,
+    /// on any connection that shares it.
     pub fn kill(&mut self, id: u32) {
-        if let Some(r) = self.regions.get_mut(&id) {
-            r.dead = true;
+        if let Some(r) = self.regions.get(&id) {
+            r.mapping.dead.store(true, Ordering::Release);
         }
     }
 }
