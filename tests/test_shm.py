@@ -236,3 +236,53 @@ def test_descriptor_floods_and_garbage_leave_the_server_serving(memkv_server_fac
     assert srv.alive()
     c.unregister_buffer(r.ptr)
     r.close()
+
+
+def test_a_clients_connections_share_one_server_mapping_of_its_region(memkv_server_factory):
+    """Each of a client's connections hands the server its region; the server maps that part of
+    the file once (docs/shm.md), so a restarted engine's first copies do not fault every page
+    once per connection."""
+    srv = memkv_server_factory(memory="512M", lanes=2)
+    c = shm_client(srv, connections_per_server=4)
+    r = Region(16 << 20, "memkv-shared")
+    c.register_buffer(r.ptr, r.array.nbytes)
+    r.array[:] = np.random.default_rng(3).integers(0, 256, r.array.nbytes, dtype=np.uint8)
+    keys = [b"shared/%d" % i for i in range(16)]
+    views = [r.array[i << 20:(i + 1) << 20] for i in range(16)]
+    assert c.put(keys, views) == [Status.OK] * 16
+    expect = r.array.copy()
+    r.array[:] = 0
+    assert c.get_into(keys, views) == [Status.OK] * 16
+    assert (r.array == expect).all()
+    maps = Path(f"/proc/{srv.proc.pid}/maps").read_text()
+    assert maps.count("/memfd:memkv-shared") == 1, maps
+    c.unregister_buffer(r.ptr)
+    c.close()
+    del views
+    r.close()
+
+
+def test_a_frozen_server_costs_one_deadline_and_serves_again_after(memkv_server_factory):
+    """SIGSTOP mid-service: the GET fails within its op timeout and its buffer is untouched
+    (the server copies nothing it cannot reply for); after SIGCONT the same region works."""
+    srv = memkv_server_factory(memory="256M", lanes=2)
+    c = shm_client(srv, op_timeout_s=1.0)
+    r = Region(4 << 20, "memkv-frozen")
+    c.register_buffer(r.ptr, r.array.nbytes)
+    r.array[: 1 << 20] = 9
+    assert c.put([b"f"], [r.array[: 1 << 20]]) == [Status.OK]
+    r.array[1 << 20 : 2 << 20] = 1
+    with srv.frozen():
+        t = time.monotonic()
+        st = c.get_into([b"f"], [r.array[1 << 20 : 2 << 20]])
+        waited = time.monotonic() - t
+    assert st[0] in (Status.TIMEOUT, Status.UNAVAILABLE), st
+    assert waited < 3.0, f"a frozen server held the GET {waited:.1f} s past its 1 s deadline"
+    deadline = time.monotonic() + 10
+    while c.get_into([b"f"], [r.array[2 << 20 : 3 << 20]]) != [Status.OK]:
+        assert time.monotonic() < deadline, "no recovery after SIGCONT"
+        time.sleep(0.05)
+    assert (r.array[2 << 20 : 3 << 20] == 9).all()
+    c.unregister_buffer(r.ptr)
+    c.close()
+    r.close()
