@@ -2,7 +2,9 @@
 a low open-files limit turned into a lockout, requests that announce more than they send, and TLS
 handshakes that are garbage, floods or trickles.
 Each test drives the real server with raw sockets and failed against the server before its fix;
-the last ones are tenants trying to reach beyond their key prefix."""
+the last ones are tenants trying to reach beyond their key prefix. The attacks on the request
+path run over TCP and over the same-host transport's unix socket (`link`): a peer there gets the
+same deadlines, budgets and refusals (docs/shm.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import ssl
 import struct
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from memkv_procs import proc_status
@@ -53,6 +57,26 @@ from memkv_vllm.core.client import MemKVClient, Status
 from memkv_vllm.core.config import MemKVConfig
 
 AUTH_FAILED = 7
+
+
+def unix(srv) -> socket.socket:
+    """A connection to `srv`'s default same-host socket (the abstract name of its address)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(f"\0memkv/{srv.address}")
+    return s
+
+
+@pytest.fixture(params=[connect, unix], ids=["tcp", "unix"])
+def dial(request: pytest.FixtureRequest) -> Callable[[Any], socket.socket]:
+    """How the attacker reaches the server: TCP, or the same-host unix socket."""
+    return request.param
+
+
+def served_on_both_links(srv, key: str | None = KEY) -> None:
+    """A fresh client gets byte-exact round trips over TCP and over the same-host path."""
+    round_trip_s(srv, key)
+    round_trip_s(srv, key, transport="shm")
 
 
 def open_fds(srv) -> int:
@@ -128,7 +152,7 @@ def test_the_open_files_limit_cannot_lock_out_a_client_with_the_key(
 
 
 def test_a_request_that_stops_sending_is_cut_off_whatever_size_it_announced(
-        memkv_server_factory):
+        memkv_server_factory, dial):
     """The deadline of a request counted the payload length its header announces, before the
     key table vouched for it: four PUTs announcing 16 MiB bodies and 2^62 payload bytes held the
     whole buffer budget for decades, and every other client's request got BUSY. A request must
@@ -136,7 +160,7 @@ def test_a_request_that_stops_sending_is_cut_off_whatever_size_it_announced(
     srv = memkv_server_factory(memory="256M", auth_key=KEY, extra=["--frame-timeout", "1"])
     liars = []
     for _ in range(4):
-        s = authed(srv)
+        s = authed(srv, dial=dial)
         s.sendall(header(PUT, 16 << 20, payload_len=1 << 62))
         liars.append(s)
     # Clients wait for the budget for up to the frame timeout; the liars fall behind their pace
@@ -155,23 +179,24 @@ def test_a_request_that_stops_sending_is_cut_off_whatever_size_it_announced(
     # A well-formed table whose one value is far over the limit: its bytes would be read and
     # discarded, at 1 MiB/s over 2^50 bytes.
     body = key_lens([(b"huge", 1 << 50)])
-    huge = authed(srv)
+    huge = authed(srv, dial=dial)
     huge.settimeout(10)
     t = time.monotonic()
     huge.sendall(header(PUT, len(body), payload_len=1 << 50) + body)
     assert error_code(huge) == STALLED
     assert time.monotonic() - t < 5
+    served_on_both_links(srv)
 
 
 def test_a_reader_that_takes_nothing_is_cut_off_whatever_the_size_of_its_reply(
-        memkv_server_factory):
+        memkv_server_factory, dial):
     """A 64 MiB reply was due within the frame timeout plus 8 s at 8 MiB/s, pins held all along,
     however little of it the reader took; now it must be taken at the minimum rate as it goes."""
     srv = memkv_server_factory(memory="256M", lanes=1, extra=["--frame-timeout", "1",
                                                               "--min-rate", "8M"])
     c = MemKVClient(MemKVConfig(servers=(srv.address,)))
     assert c.put([b"big"], [b"b" * (64 << 20)]) == [Status.OK]
-    s = connect(srv)
+    s = dial(srv)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
     hello(s)
     body = key_lens([(b"big", 64 << 20)])
@@ -182,14 +207,16 @@ def test_a_reader_that_takes_nothing_is_cut_off_whatever_the_size_of_its_reply(
     assert time.monotonic() - t < 5, "pins held past the reply's pace"
     assert srv.stats()["errors"]["stalled"] == 1
     s.close()
+    served_on_both_links(srv, None)
 
 
-def test_a_peer_trickling_its_handshake_is_closed_at_the_handshake_timeout(memkv_server_factory):
+def test_a_peer_trickling_its_handshake_is_closed_at_the_handshake_timeout(
+        memkv_server_factory, dial):
     """Only the first byte of a handshake frame had to come within the handshake timeout; the
     rest had the frame timeout, so a peer sending its HELLO a byte at a time held its connection
     for both. The handshake timeout now bounds every byte before authentication."""
     srv = memkv_server_factory(memory="16M", auth_key=KEY, extra=["--handshake-timeout", "1"])
-    s = connect(srv)
+    s = dial(srv)
     t = time.monotonic()
     for b in header(HELLO, 0):
         s.send(bytes([b]))
@@ -202,13 +229,28 @@ def test_a_peer_trickling_its_handshake_is_closed_at_the_handshake_timeout(memkv
 
 
 @pytest.mark.parametrize("op", [HELLO, PING, STATS])
-def test_a_body_on_a_request_that_takes_none_is_refused_unread(memkv_server_factory, op):
+def test_a_body_on_a_request_that_takes_none_is_refused_unread(memkv_server_factory, op, dial):
     """HELLO (after authentication), PING and STATS take no body; one was read into the buffer
     budget and ignored. Now it is a malformed frame, refused before its body is read."""
     srv = memkv_server_factory(memory="16M", auth_key=KEY)
-    s = authed(srv)
+    s = authed(srv, dial=dial)
     s.sendall(header(op, 16 << 20) + b"x" * 100)
     assert_closed_with_error(s, MALFORMED)
+
+
+def test_data_before_authentication_never_reaches_a_value(memkv_server_factory, dial):
+    srv = memkv_server_factory(memory="16M", auth_key=KEY)
+    s = dial(srv)
+    s.sendall(header(HELLO, 0))
+    read_frame(s)
+    body = key_lens([(b"stolen", 5)])
+    s.sendall(header(PUT, len(body), payload_len=5) + body + b"bytes")
+    op, _, _ = read_frame(s)
+    assert op == 0xFF
+    c = MemKVClient(MemKVConfig(servers=(srv.address,), auth_key=bytes.fromhex(KEY)))
+    assert c.exists([b"stolen"]) == [Status.NOT_FOUND]
+    c.close()
+    served_on_both_links(srv)
 
 
 # --- TLS (docs/tls.md): the handshake is bounded like any handshake frame --------------------

@@ -11,6 +11,8 @@ import struct
 import subprocess
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from memkv_procs import memkv_command, proc_status
@@ -41,8 +43,9 @@ def rss(srv) -> int:
     return proc_status(srv.proc.pid, "VmRSS") << 10
 
 
-def authed(srv, key: str = KEY) -> socket.socket:
-    s = connect(srv)
+def authed(srv, key: str = KEY, dial: Callable[[Any], socket.socket] = connect) -> socket.socket:
+    """A connection through `dial` (TCP by default) that passed HELLO and AUTH."""
+    s = dial(srv)
     s.sendall(header(HELLO, 0))
     op, body, _ = read_frame(s)
     assert op == 0x81 and body[0] == 1
