@@ -52,10 +52,52 @@ impl TlsError {
     }
 }
 
-/// The provider every memkv TLS configuration uses, TLS 1.3 only.
+/// The provider every memkv TLS configuration uses, TLS 1.3 only, with its suites in the order
+/// that is fastest on this CPU (client and server both offer them so: the server takes the
+/// client's first that it shares).
 fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    let mut p = rustls::crypto::ring::default_provider();
+    p.cipher_suites = suites_by_speed(aes_in_hardware());
+    Arc::new(p)
 }
+
+/// With AES instructions, AES-128-GCM first: it runs 10 AES rounds a block where AES-256 runs
+/// 14, and on that hardware both beat ChaCha20-Poly1305. Without them, ChaCha20 first: software
+/// AES is several times slower, and not constant-time.
+fn suites_by_speed(aes: bool) -> Vec<rustls::SupportedCipherSuite> {
+    use rustls::crypto::ring::cipher_suite as cs;
+    let (aes128, aes256, chacha) = (
+        cs::TLS13_AES_128_GCM_SHA256,
+        cs::TLS13_AES_256_GCM_SHA384,
+        cs::TLS13_CHACHA20_POLY1305_SHA256,
+    );
+    if aes {
+        vec![aes128, aes256, chacha]
+    } else {
+        vec![chacha, aes128, aes256]
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn aes_in_hardware() -> bool {
+    std::arch::is_x86_feature_detected!("aes") && std::arch::is_x86_feature_detected!("pclmulqdq")
+}
+
+#[cfg(target_arch = "aarch64")]
+fn aes_in_hardware() -> bool {
+    std::arch::is_aarch64_feature_detected!("aes")
+        && std::arch::is_aarch64_feature_detected!("pmull")
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+fn aes_in_hardware() -> bool {
+    false
+}
+
+/// Plaintext bytes one write may hand rustls to encrypt before its records go out (rustls
+/// holds 64 KiB by default): sixteen full records a system call rather than four. Bounded, as
+/// a connection whose peer reads slowly holds this much.
+pub const SEND_BUFFER: usize = 256 << 10;
 
 fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
     let certs = CertificateDer::pem_file_iter(path)
@@ -163,7 +205,9 @@ impl ServerTls {
     }
 
     pub fn connection(&self) -> Result<ServerConnection, rustls::Error> {
-        ServerConnection::new(self.config.clone())
+        let mut c = ServerConnection::new(self.config.clone())?;
+        c.set_buffer_limit(Some(SEND_BUFFER));
+        Ok(c)
     }
 }
 
@@ -226,7 +270,9 @@ impl ClientTls {
             Some(n) => n.clone(),
             None => server_name(host.trim_start_matches('[').trim_end_matches(']'))?,
         };
-        ClientConnection::new(self.config.clone(), name).map_err(|e| e.to_string())
+        let mut c = ClientConnection::new(self.config.clone(), name).map_err(|e| e.to_string())?;
+        c.set_buffer_limit(Some(SEND_BUFFER));
+        Ok(c)
     }
 }
 
