@@ -283,8 +283,9 @@ def test_unreachable_servers_do_not_stop_the_startup_check(memkv_server_factory)
 def test_a_verified_client_certificate_names_its_tenant_without_a_key(
         memkv_server_factory, tmp_path) -> None:
     """Under mutual TLS the subject of a client's verified certificate names its tenant: no
-    auth key, the tenant's prefix enforced and its values counted as its own. A certificate
-    whose subject names no tenant still needs a tenant's key."""
+    auth key, the tenant's prefix enforced and its values counted as its own, and the HELLO
+    reply tells the client its tenant, so a tier prefix outside it fails at startup. A
+    certificate whose subject names no tenant still needs a tenant's key."""
     pki = Pki(tmp_path / "pki")
     text = tenants_yaml().replace(
         "  - name: team-b\n",
@@ -299,6 +300,11 @@ def test_a_verified_client_certificate_names_its_tenant_without_a_key(
                                        **kw))
 
     b = tls_client("engine-b")
+    assert b.tenants() == {srv.address: Tenant("team-b", b"b/", False)}
+    with pytest.raises(ConfigError) as e:
+        store_for(b, b.config, key_prefix=(KeyLayout("memkv", "m", {}).key_start, "prefix"))
+    assert "b'memkv/m_" in str(e.value) and "b'b/'" in str(e.value), e.value
+    store_for(b, b.config, key_prefix=(KeyLayout("b", "m", {}).key_start, "prefix")).close()
     assert b.put([b"b/x", b"a/x"], [b"v1", b"v2"]) == [Status.OK, Status.FORBIDDEN]
     out = [bytearray(2)]
     assert b.get_into([b"b/x"], out) == [Status.OK] and out == [b"v1"]
@@ -307,6 +313,7 @@ def test_a_verified_client_certificate_names_its_tenant_without_a_key(
     assert tenants["team-a"]["items"] == 0
     assert tls_client("stranger").put([b"a/y"], [b"v"]) == [Status.AUTH_FAILED]
     with_key = tls_client("stranger-with-key", auth_key=bytes.fromhex(KEY_A))
+    assert with_key.tenants() == {srv.address: Tenant("team-a", b"a/", False)}
     assert with_key.put([b"a/y"], [b"v"]) == [Status.OK]
     assert with_key.stats()[srv.address]["tenants"]["team-a"]["items"] == 1
 
