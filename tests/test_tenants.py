@@ -152,6 +152,30 @@ def test_quota_pressure_evicts_the_tenants_own_values_and_leaves_the_others_hits
     assert tenant_stats(srv, KEY_A)["team-a"]["over_quota"] == 1
 
 
+def test_a_full_server_makes_room_from_the_writing_tenants_values_and_others_keep_their_hits(
+        memkv_server_factory, tmp_path):
+    """Quotas adding up to twice the memory: the memory fills before a tenant's quota does. A
+    tenant that writes past its share of the memory (its quota over all the quotas) evicts its
+    own values, so another tenant's values, never read yet, all still hit (S3-FIFO alone
+    evicted those first: they were the oldest not read)."""
+    srv = tenant_server(memkv_server_factory, tmp_path, memory="64M", lanes=1)
+    a, b = client(srv, KEY_A), client(srv, KEY_B)
+    value = np.full(MIB, 7, np.uint8)
+    b_keys = [b"b/%d" % i for i in range(16)]
+    assert b.put(b_keys, [value] * 16) == [Status.OK] * 16
+    for i in range(80):
+        assert a.put([b"a/%d" % i], [value]) == [Status.OK]
+    out = np.zeros(MIB, np.uint8)
+    assert [b.get_into([k], [out])[0] for k in b_keys] == [Status.OK] * 16, "b keeps every value"
+    st = tenant_stats(srv, KEY_A)
+    assert st["team-b"]["evictions"] == 0 and st["team-b"]["hits"] == 16
+    # a is past its share (64M of 129M of quotas, of the 64M lane): it keeps what b left free.
+    assert 40 <= st["team-a"]["items"] <= 48, st["team-a"]
+    assert st["team-a"]["evictions"] == 80 - st["team-a"]["items"]
+    assert st["team-a"]["quota_evictions"] == 0, "its quota was never full"
+    assert a.get_into([b"a/79"], [out]) == [Status.OK]
+
+
 def test_a_read_only_tenant_reads_but_cannot_write(memkv_server_factory, tmp_path):
     srv = tenant_server(memkv_server_factory, tmp_path)
     r = client(srv, KEY_R)
