@@ -11,6 +11,8 @@ import hmac
 import json
 import os
 import shutil
+import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -332,6 +334,21 @@ def test_a_verified_client_certificate_names_its_tenant_without_a_key(
     assert b.put([b"b/x", b"a/x"], [b"v1", b"v2"]) == [Status.OK, Status.FORBIDDEN]
     out = [bytearray(2)]
     assert b.get_into([b"b/x"], out) == [Status.OK] and out == [b"v1"]
+    # The tenant rides on the HELLO reply only for a client that says so in its handshake
+    # (ALPN): one from before, which reads the reply strictly, gets it as it always was.
+    cert, key = pki.issue("raw-b", "engine-b", sans=())
+    for alpn, tail in ((None, b""), ("memkv-hello-tenant", b"\x06\x00team-b\x02\x00b/\x00")):
+        ctx = ssl.create_default_context(cafile=str(pki.ca))
+        ctx.load_cert_chain(str(cert), str(key))
+        if alpn:
+            ctx.set_alpn_protocols([alpn])
+        host, port = srv.address.rsplit(":", 1)
+        with ctx.wrap_socket(socket.create_connection((host, int(port)), timeout=10),
+                             server_hostname=host) as s:
+            s.sendall(header(HELLO, 0))
+            _, body, _ = read_frame(s)
+            assert s.selected_alpn_protocol() == alpn
+        assert body[0] == 0 and len(body) == 1 + 32 + 8 + len(tail) and body[41:] == tail, body
     tenants = b.stats()[srv.address]["tenants"]
     assert tenants["team-b"]["items"] == 1 and tenants["team-b"]["forbidden"] == 1
     assert tenants["team-a"]["items"] == 0

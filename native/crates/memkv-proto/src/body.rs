@@ -242,7 +242,8 @@ pub fn decode_status_lens(body: &[u8], expected: usize) -> Result<Vec<(Status, u
 }
 
 /// The HELLO reply. `tenant` is a tail after `max_value_len`, sent only when the connection is
-/// already authenticated by the tenant its verified client certificate names (mutual TLS): such
+/// already authenticated by the tenant its verified client certificate names (mutual TLS) and
+/// the client said in its TLS handshake that it reads it (`memkv_tls::ALPN_HELLO_TENANT`): such
 /// a client sends no AUTH, so HELLO is the only reply that can tell it its tenant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HelloReply {

@@ -337,8 +337,10 @@ impl<'a, T: Transport> Conn<'a, T> {
                     auth_required: !self.authed,
                     nonce,
                     max_value_len: store.max_value_len,
-                    // A certificate named the tenant: no AUTH reply will tell the client.
-                    tenant: named_by_certificate.then(|| store.tenants.get(self.tenant).info()),
+                    // A certificate named the tenant: no AUTH reply will tell the client, so
+                    // this one does, if the client said it reads it (older ones would not).
+                    tenant: (named_by_certificate && self.io.transport().reads_hello_tenant())
+                        .then(|| store.tenants.get(self.tenant).info()),
                 };
                 self.reply(h, &reply.encode())
             }

@@ -27,6 +27,12 @@ pub use read_ahead::{ReadAhead, READ_AHEAD};
 /// a TLS client from a plaintext one.
 pub const HANDSHAKE_RECORD: u8 = 0x16;
 
+/// The ALPN protocol a memkv client offers, and a memkv server accepts, to say that it reads
+/// the tenant a HELLO reply carries when the client's certificate named it
+/// (docs/protocol.md, Tenants). A peer from before it offers or accepts none, and the
+/// handshake then goes on without ALPN, so either side may be the older one.
+pub const ALPN_HELLO_TENANT: &[u8] = b"memkv-hello-tenant";
+
 /// A connection that failed for a reason of TLS itself (a failed handshake, a bad record, a
 /// peer that speaks no TLS), carried inside an `io::Error` so transports can tell it apart.
 #[derive(Debug)]
@@ -183,7 +189,8 @@ impl ServerTls {
             }
             None => builder.with_no_client_auth(),
         };
-        let config = builder.with_cert_resolver(certs.clone());
+        let mut config = builder.with_cert_resolver(certs.clone());
+        config.alpn_protocols = vec![ALPN_HELLO_TENANT.to_vec()];
         Ok(ServerTls {
             files: files.clone(),
             config: Arc::new(config),
@@ -248,7 +255,7 @@ impl ClientTls {
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(|e| e.to_string())?
             .with_root_certificates(roots(&files.ca)?);
-        let config = match (&files.cert, &files.key) {
+        let mut config = match (&files.cert, &files.key) {
             (Some(cert), Some(key_file)) => builder
                 .with_client_auth_cert(certs(cert)?, key(key_file)?)
                 .map_err(|e| format!("{} with key {}: {e}", cert.display(), key_file.display()))?,
@@ -257,6 +264,7 @@ impl ClientTls {
                 return Err("a client certificate needs its key, and a key its certificate".into())
             }
         };
+        config.alpn_protocols = vec![ALPN_HELLO_TENANT.to_vec()];
         Ok(ClientTls {
             config: Arc::new(config),
             server_name: files.server_name.as_deref().map(server_name).transpose()?,

@@ -110,6 +110,7 @@ fn the_handshake_agrees_on_the_suite_fastest_on_this_cpu() {
     );
     exchange(&mut c, &mut s);
     assert!(!c.is_handshaking() && !s.is_handshaking());
+    assert_eq!(s.alpn_protocol(), Some(ALPN_HELLO_TENANT));
     let want = suites_by_speed(aes_in_hardware())[0].suite();
     assert_eq!(s.negotiated_cipher_suite().unwrap().suite(), want);
     assert_eq!(c.negotiated_cipher_suite().unwrap().suite(), want);
