@@ -178,6 +178,24 @@ def test_a_full_server_makes_room_from_the_writing_tenants_values_and_others_kee
     assert a.get_into([b"a/79"], [out]) == [Status.OK]
 
 
+def test_a_tenant_that_filled_the_server_gives_way_to_one_within_its_share(
+        memkv_server_factory, tmp_path):
+    """b fills the memory (past its share) and stops; a, writing within its own share, takes
+    its room from b's values and keeps every one of its own."""
+    srv = tenant_server(memkv_server_factory, tmp_path, memory="64M", lanes=1)
+    a, b = client(srv, KEY_A), client(srv, KEY_B)
+    value = np.full(MIB, 7, np.uint8)
+    for i in range(70):
+        assert b.put([b"b/%d" % i], [value]) == [Status.OK]
+    a_keys = [b"a/%d" % i for i in range(20)]
+    for k in a_keys:
+        assert a.put([k], [value]) == [Status.OK]
+    assert a.exists(a_keys) == [Status.OK] * 20
+    st = tenant_stats(srv, KEY_A)
+    assert st["team-a"]["evictions"] == 0 and st["team-a"]["items"] == 20
+    assert st["team-b"]["evictions"] == 70 - st["team-b"]["items"] >= 20
+
+
 def test_a_read_only_tenant_reads_but_cannot_write(memkv_server_factory, tmp_path):
     srv = tenant_server(memkv_server_factory, tmp_path)
     r = client(srv, KEY_R)
