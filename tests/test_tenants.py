@@ -11,6 +11,8 @@ import hmac
 import json
 import os
 import shutil
+import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -152,6 +154,48 @@ def test_quota_pressure_evicts_the_tenants_own_values_and_leaves_the_others_hits
     assert tenant_stats(srv, KEY_A)["team-a"]["over_quota"] == 1
 
 
+def test_a_full_server_makes_room_from_the_writing_tenants_values_and_others_keep_their_hits(
+        memkv_server_factory, tmp_path):
+    """Quotas adding up to twice the memory: the memory fills before a tenant's quota does. A
+    tenant that writes past its share of the memory (its quota over all the quotas) evicts its
+    own values, so another tenant's values, never read yet, all still hit (S3-FIFO alone
+    evicted those first: they were the oldest not read)."""
+    srv = tenant_server(memkv_server_factory, tmp_path, memory="64M", lanes=1)
+    a, b = client(srv, KEY_A), client(srv, KEY_B)
+    value = np.full(MIB, 7, np.uint8)
+    b_keys = [b"b/%d" % i for i in range(16)]
+    assert b.put(b_keys, [value] * 16) == [Status.OK] * 16
+    for i in range(80):
+        assert a.put([b"a/%d" % i], [value]) == [Status.OK]
+    out = np.zeros(MIB, np.uint8)
+    assert [b.get_into([k], [out])[0] for k in b_keys] == [Status.OK] * 16, "b keeps every value"
+    st = tenant_stats(srv, KEY_A)
+    assert st["team-b"]["evictions"] == 0 and st["team-b"]["hits"] == 16
+    # a is past its share (64M of 129M of quotas, of the 64M lane): it keeps what b left free.
+    assert 40 <= st["team-a"]["items"] <= 48, st["team-a"]
+    assert st["team-a"]["evictions"] == 80 - st["team-a"]["items"]
+    assert st["team-a"]["quota_evictions"] == 0, "its quota was never full"
+    assert a.get_into([b"a/79"], [out]) == [Status.OK]
+
+
+def test_a_tenant_that_filled_the_server_gives_way_to_one_within_its_share(
+        memkv_server_factory, tmp_path):
+    """b fills the memory (past its share) and stops; a, writing within its own share, takes
+    its room from b's values and keeps every one of its own."""
+    srv = tenant_server(memkv_server_factory, tmp_path, memory="64M", lanes=1)
+    a, b = client(srv, KEY_A), client(srv, KEY_B)
+    value = np.full(MIB, 7, np.uint8)
+    for i in range(70):
+        assert b.put([b"b/%d" % i], [value]) == [Status.OK]
+    a_keys = [b"a/%d" % i for i in range(20)]
+    for k in a_keys:
+        assert a.put([k], [value]) == [Status.OK]
+    assert a.exists(a_keys) == [Status.OK] * 20
+    st = tenant_stats(srv, KEY_A)
+    assert st["team-a"]["evictions"] == 0 and st["team-a"]["items"] == 20
+    assert st["team-b"]["evictions"] == 70 - st["team-b"]["items"] >= 20
+
+
 def test_a_read_only_tenant_reads_but_cannot_write(memkv_server_factory, tmp_path):
     srv = tenant_server(memkv_server_factory, tmp_path)
     r = client(srv, KEY_R)
@@ -283,8 +327,9 @@ def test_unreachable_servers_do_not_stop_the_startup_check(memkv_server_factory)
 def test_a_verified_client_certificate_names_its_tenant_without_a_key(
         memkv_server_factory, tmp_path) -> None:
     """Under mutual TLS the subject of a client's verified certificate names its tenant: no
-    auth key, the tenant's prefix enforced and its values counted as its own. A certificate
-    whose subject names no tenant still needs a tenant's key."""
+    auth key, the tenant's prefix enforced and its values counted as its own, and the HELLO
+    reply tells the client its tenant, so a tier prefix outside it fails at startup. A
+    certificate whose subject names no tenant still needs a tenant's key."""
     pki = Pki(tmp_path / "pki")
     text = tenants_yaml().replace(
         "  - name: team-b\n",
@@ -299,14 +344,35 @@ def test_a_verified_client_certificate_names_its_tenant_without_a_key(
                                        **kw))
 
     b = tls_client("engine-b")
+    assert b.tenants() == {srv.address: Tenant("team-b", b"b/", False)}
+    with pytest.raises(ConfigError) as e:
+        store_for(b, b.config, key_prefix=(KeyLayout("memkv", "m", {}).key_start, "prefix"))
+    assert "b'memkv/m_" in str(e.value) and "b'b/'" in str(e.value), e.value
+    store_for(b, b.config, key_prefix=(KeyLayout("b", "m", {}).key_start, "prefix")).close()
     assert b.put([b"b/x", b"a/x"], [b"v1", b"v2"]) == [Status.OK, Status.FORBIDDEN]
     out = [bytearray(2)]
     assert b.get_into([b"b/x"], out) == [Status.OK] and out == [b"v1"]
+    # The tenant rides on the HELLO reply only for a client that says so in its handshake
+    # (ALPN): one from before, which reads the reply strictly, gets it as it always was.
+    cert, key = pki.issue("raw-b", "engine-b", sans=())
+    for alpn, tail in ((None, b""), ("memkv-hello-tenant", b"\x06\x00team-b\x02\x00b/\x00")):
+        ctx = ssl.create_default_context(cafile=str(pki.ca))
+        ctx.load_cert_chain(str(cert), str(key))
+        if alpn:
+            ctx.set_alpn_protocols([alpn])
+        host, port = srv.address.rsplit(":", 1)
+        with ctx.wrap_socket(socket.create_connection((host, int(port)), timeout=10),
+                             server_hostname=host) as s:
+            s.sendall(header(HELLO, 0))
+            _, body, _ = read_frame(s)
+            assert s.selected_alpn_protocol() == alpn
+        assert body[0] == 0 and len(body) == 1 + 32 + 8 + len(tail) and body[41:] == tail, body
     tenants = b.stats()[srv.address]["tenants"]
     assert tenants["team-b"]["items"] == 1 and tenants["team-b"]["forbidden"] == 1
     assert tenants["team-a"]["items"] == 0
     assert tls_client("stranger").put([b"a/y"], [b"v"]) == [Status.AUTH_FAILED]
     with_key = tls_client("stranger-with-key", auth_key=bytes.fromhex(KEY_A))
+    assert with_key.tenants() == {srv.address: Tenant("team-a", b"a/", False)}
     assert with_key.put([b"a/y"], [b"v"]) == [Status.OK]
     assert with_key.stats()[srv.address]["tenants"]["team-a"]["items"] == 1
 

@@ -87,7 +87,8 @@ pub struct Conn {
     link: Box<dyn Link>,
     next_id: u64,
     pub max_value_len: u64,
-    /// The tenant our credential named, from a server with tenants (its AUTH reply).
+    /// The tenant our credential named, from a server with tenants: its AUTH reply, or its
+    /// HELLO reply when our client certificate named it (mutual TLS, no AUTH).
     pub tenant: Option<TenantInfo>,
     /// The server closes the connection after a reply with a REMOTE_ACCESS status (its path
     /// to our endpoint may be gone), so such a connection is not reused.
@@ -114,6 +115,7 @@ impl Conn {
         let (_, body) = c.call(Opcode::Hello, &[], &[])?;
         let hello = HelloReply::decode(&body)?;
         c.max_value_len = hello.max_value_len;
+        c.tenant = hello.tenant;
         if hello.auth_required {
             let key = auth_key.ok_or(ConnError::AuthRequired)?;
             let (_, body) = c.call(Opcode::Auth, &proto::auth_mac(key, &hello.nonce), &[])?;

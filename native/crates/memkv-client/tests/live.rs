@@ -194,6 +194,7 @@ fn fake_server(
             auth_required: false,
             nonce: [0; 32],
             max_value_len: 1 << 20,
+            tenant: None,
         }
         .encode();
         s.write_all(&Header::new(Opcode::HelloReply, 1, hello.len(), 0).encode())

@@ -241,11 +241,16 @@ pub fn decode_status_lens(body: &[u8], expected: usize) -> Result<Vec<(Status, u
     Ok(v)
 }
 
+/// The HELLO reply. `tenant` is a tail after `max_value_len`, sent only when the connection is
+/// already authenticated by the tenant its verified client certificate names (mutual TLS) and
+/// the client said in its TLS handshake that it reads it (`memkv_tls::ALPN_HELLO_TENANT`): such
+/// a client sends no AUTH, so HELLO is the only reply that can tell it its tenant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HelloReply {
     pub auth_required: bool,
     pub nonce: [u8; NONCE_LEN],
     pub max_value_len: u64,
+    pub tenant: Option<TenantInfo>,
 }
 
 impl HelloReply {
@@ -254,18 +259,23 @@ impl HelloReply {
         w.u8(self.auth_required as u8)
             .bytes(&self.nonce)
             .u64(self.max_value_len);
-        w.0
+        let mut body = w.0;
+        if let Some(t) = &self.tenant {
+            body.extend_from_slice(&t.encode());
+        }
+        body
     }
     pub fn decode(body: &[u8]) -> Result<HelloReply> {
         let mut r = Reader::new(body);
         let auth_required = r.u8()? != 0;
         let nonce = r.take(NONCE_LEN)?.try_into().unwrap();
         let max_value_len = r.u64()?;
-        r.finish()?;
+        let tenant = TenantInfo::decode(r.rest())?;
         Ok(HelloReply {
             auth_required,
             nonce,
             max_value_len,
+            tenant,
         })
     }
 }
@@ -392,17 +402,23 @@ mod tests {
 
     #[test]
     fn hello_and_error_round_trip() {
-        let h = HelloReply {
+        let mut h = HelloReply {
             auth_required: true,
             nonce: [7; NONCE_LEN],
             max_value_len: 99,
+            tenant: None,
         };
-        assert_eq!(HelloReply::decode(&h.encode()).unwrap(), h);
+        let plain = h.encode();
+        assert_eq!(plain.len(), 1 + NONCE_LEN + 8, "as before tenants");
+        assert_eq!(HelloReply::decode(&plain).unwrap(), h);
         let t = TenantInfo {
             name: "team-a".into(),
             prefix: b"a/".to_vec(),
             read_only: true,
         };
+        h.tenant = Some(t.clone());
+        assert_eq!(HelloReply::decode(&h.encode()).unwrap(), h);
+        assert!(HelloReply::decode(&[&plain[..], &[1]].concat()).is_err());
         assert_eq!(TenantInfo::decode(&t.encode()).unwrap(), Some(t));
         assert_eq!(TenantInfo::decode(&[]).unwrap(), None);
         assert!(TenantInfo::decode(&[1, 0]).is_err());

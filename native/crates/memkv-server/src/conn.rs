@@ -316,6 +316,7 @@ impl<'a, T: Transport> Conn<'a, T> {
                     .map_err(|e| End::Io(io::Error::other(e.to_string())))?;
                 self.nonce = Some(nonce);
                 self.greeted = true;
+                let mut named_by_certificate = false;
                 if let Some(id) = self.client_identity() {
                     tracing::debug!(peer = %self.io.transport().peer(), subject = %id.subject,
                         "client certificate");
@@ -324,6 +325,7 @@ impl<'a, T: Transport> Conn<'a, T> {
                     if let Some(t) = store.tenants.by_subject(&id.subject) {
                         self.tenant = t;
                         self.authed = true;
+                        named_by_certificate = true;
                     }
                 }
                 if self.ready() {
@@ -335,6 +337,10 @@ impl<'a, T: Transport> Conn<'a, T> {
                     auth_required: !self.authed,
                     nonce,
                     max_value_len: store.max_value_len,
+                    // A certificate named the tenant: no AUTH reply will tell the client, so
+                    // this one does, if the client said it reads it (older ones would not).
+                    tenant: (named_by_certificate && self.io.transport().reads_hello_tenant())
+                        .then(|| store.tenants.get(self.tenant).info()),
                 };
                 self.reply(h, &reply.encode())
             }

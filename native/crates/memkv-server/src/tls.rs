@@ -36,6 +36,8 @@ pub struct TlsTransport {
     /// The first byte was seen to open a TLS record.
     checked: bool,
     identity: Option<PeerIdentity>,
+    /// The client offered `memkv_tls::ALPN_HELLO_TENANT` (known from the end of the handshake).
+    reads_hello_tenant: bool,
 }
 
 /// The socket as `Write` for rustls, each call waiting at most `wait`.
@@ -92,6 +94,7 @@ impl TlsTransport {
             ahead: ReadAhead::default(),
             checked: false,
             identity: None,
+            reads_hello_tenant: false,
         }
     }
 
@@ -159,6 +162,10 @@ impl Transport for TlsTransport {
                 let _ = self.flush_until(Instant::now() + Duration::from_millis(100));
                 return Err(failure(format!("TLS: {e}")));
             }
+            if !self.tls.is_handshaking() {
+                self.reads_hello_tenant =
+                    self.tls.alpn_protocol() == Some(memkv_tls::ALPN_HELLO_TENANT);
+            }
             if self.identity.is_none() && !self.tls.is_handshaking() {
                 self.identity = self
                     .tls
@@ -203,6 +210,10 @@ impl Transport for TlsTransport {
 
     fn peer_identity(&self) -> Option<&PeerIdentity> {
         self.identity.as_ref()
+    }
+
+    fn reads_hello_tenant(&self) -> bool {
+        self.reads_hello_tenant
     }
 }
 

@@ -26,6 +26,11 @@ pub trait Transport: Send {
     fn peer_identity(&self) -> Option<&memkv_tls::PeerIdentity> {
         None
     }
+    /// Whether the peer said, in its TLS handshake (`memkv_tls::ALPN_HELLO_TENANT`), that it
+    /// reads the tenant a HELLO reply may carry; false on other transports.
+    fn reads_hello_tenant(&self) -> bool {
+        false
+    }
     /// The oldest file descriptor the peer passed with its bytes and nobody took yet; only a
     /// unix socket carries them (`crate::unix_transport`).
     fn take_fd(&mut self) -> Option<OwnedFd> {

@@ -27,6 +27,12 @@ pub use read_ahead::{ReadAhead, READ_AHEAD};
 /// a TLS client from a plaintext one.
 pub const HANDSHAKE_RECORD: u8 = 0x16;
 
+/// The ALPN protocol a memkv client offers, and a memkv server accepts, to say that it reads
+/// the tenant a HELLO reply carries when the client's certificate named it
+/// (docs/protocol.md, Tenants). A peer from before it offers or accepts none, and the
+/// handshake then goes on without ALPN, so either side may be the older one.
+pub const ALPN_HELLO_TENANT: &[u8] = b"memkv-hello-tenant";
+
 /// A connection that failed for a reason of TLS itself (a failed handshake, a bad record, a
 /// peer that speaks no TLS), carried inside an `io::Error` so transports can tell it apart.
 #[derive(Debug)]
@@ -52,10 +58,52 @@ impl TlsError {
     }
 }
 
-/// The provider every memkv TLS configuration uses, TLS 1.3 only.
+/// The provider every memkv TLS configuration uses, TLS 1.3 only, with its suites in the order
+/// that is fastest on this CPU (client and server both offer them so: the server takes the
+/// client's first that it shares).
 fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    let mut p = rustls::crypto::ring::default_provider();
+    p.cipher_suites = suites_by_speed(aes_in_hardware());
+    Arc::new(p)
 }
+
+/// With AES instructions, AES-128-GCM first: it runs 10 AES rounds a block where AES-256 runs
+/// 14, and on that hardware both beat ChaCha20-Poly1305. Without them, ChaCha20 first: software
+/// AES is several times slower, and not constant-time.
+fn suites_by_speed(aes: bool) -> Vec<rustls::SupportedCipherSuite> {
+    use rustls::crypto::ring::cipher_suite as cs;
+    let (aes128, aes256, chacha) = (
+        cs::TLS13_AES_128_GCM_SHA256,
+        cs::TLS13_AES_256_GCM_SHA384,
+        cs::TLS13_CHACHA20_POLY1305_SHA256,
+    );
+    if aes {
+        vec![aes128, aes256, chacha]
+    } else {
+        vec![chacha, aes128, aes256]
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn aes_in_hardware() -> bool {
+    std::arch::is_x86_feature_detected!("aes") && std::arch::is_x86_feature_detected!("pclmulqdq")
+}
+
+#[cfg(target_arch = "aarch64")]
+fn aes_in_hardware() -> bool {
+    std::arch::is_aarch64_feature_detected!("aes")
+        && std::arch::is_aarch64_feature_detected!("pmull")
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+fn aes_in_hardware() -> bool {
+    false
+}
+
+/// Plaintext bytes one write may hand rustls to encrypt before its records go out (rustls
+/// holds 64 KiB by default): sixteen full records a system call rather than four. Bounded, as
+/// a connection whose peer reads slowly holds this much.
+pub const SEND_BUFFER: usize = 256 << 10;
 
 fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
     let certs = CertificateDer::pem_file_iter(path)
@@ -141,7 +189,8 @@ impl ServerTls {
             }
             None => builder.with_no_client_auth(),
         };
-        let config = builder.with_cert_resolver(certs.clone());
+        let mut config = builder.with_cert_resolver(certs.clone());
+        config.alpn_protocols = vec![ALPN_HELLO_TENANT.to_vec()];
         Ok(ServerTls {
             files: files.clone(),
             config: Arc::new(config),
@@ -163,7 +212,9 @@ impl ServerTls {
     }
 
     pub fn connection(&self) -> Result<ServerConnection, rustls::Error> {
-        ServerConnection::new(self.config.clone())
+        let mut c = ServerConnection::new(self.config.clone())?;
+        c.set_buffer_limit(Some(SEND_BUFFER));
+        Ok(c)
     }
 }
 
@@ -204,7 +255,7 @@ impl ClientTls {
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(|e| e.to_string())?
             .with_root_certificates(roots(&files.ca)?);
-        let config = match (&files.cert, &files.key) {
+        let mut config = match (&files.cert, &files.key) {
             (Some(cert), Some(key_file)) => builder
                 .with_client_auth_cert(certs(cert)?, key(key_file)?)
                 .map_err(|e| format!("{} with key {}: {e}", cert.display(), key_file.display()))?,
@@ -213,6 +264,7 @@ impl ClientTls {
                 return Err("a client certificate needs its key, and a key its certificate".into())
             }
         };
+        config.alpn_protocols = vec![ALPN_HELLO_TENANT.to_vec()];
         Ok(ClientTls {
             config: Arc::new(config),
             server_name: files.server_name.as_deref().map(server_name).transpose()?,
@@ -226,7 +278,9 @@ impl ClientTls {
             Some(n) => n.clone(),
             None => server_name(host.trim_start_matches('[').trim_end_matches(']'))?,
         };
-        ClientConnection::new(self.config.clone(), name).map_err(|e| e.to_string())
+        let mut c = ClientConnection::new(self.config.clone(), name).map_err(|e| e.to_string())?;
+        c.set_buffer_limit(Some(SEND_BUFFER));
+        Ok(c)
     }
 }
 

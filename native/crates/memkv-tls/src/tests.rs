@@ -71,3 +71,62 @@ fn a_client_certificate_without_its_key_is_refused() {
     .unwrap_err();
     assert!(e.contains("needs its key"), "{e}");
 }
+
+/// Moves the records each side has queued to the other until neither has any.
+fn exchange(c: &mut ClientConnection, s: &mut ServerConnection) {
+    loop {
+        let mut wire = Vec::new();
+        let n = c.write_tls(&mut wire).unwrap();
+        if n > 0 {
+            s.read_tls(&mut &wire[..]).unwrap();
+            s.process_new_packets().unwrap();
+        }
+        let mut back = Vec::new();
+        let m = s.write_tls(&mut back).unwrap();
+        if m > 0 {
+            c.read_tls(&mut &back[..]).unwrap();
+            c.process_new_packets().unwrap();
+        }
+        if n == 0 && m == 0 {
+            return;
+        }
+    }
+}
+
+#[test]
+fn the_handshake_agrees_on_the_suite_fastest_on_this_cpu() {
+    let pki = Pki::new();
+    let server = ServerTls::new(&server_files(&pki, false)).unwrap();
+    let client = ClientTls::new(&ClientTlsFiles {
+        ca: pki.ca(),
+        server_name: None,
+        cert: None,
+        key: None,
+    })
+    .unwrap();
+    let (mut c, mut s) = (
+        client.connection("localhost").unwrap(),
+        server.connection().unwrap(),
+    );
+    exchange(&mut c, &mut s);
+    assert!(!c.is_handshaking() && !s.is_handshaking());
+    assert_eq!(s.alpn_protocol(), Some(ALPN_HELLO_TENANT));
+    let want = suites_by_speed(aes_in_hardware())[0].suite();
+    assert_eq!(s.negotiated_cipher_suite().unwrap().suite(), want);
+    assert_eq!(c.negotiated_cipher_suite().unwrap().suite(), want);
+}
+
+#[test]
+fn chacha20_comes_first_without_aes_instructions() {
+    use rustls::CipherSuite as S;
+    let order = |aes| -> Vec<S> { suites_by_speed(aes).iter().map(|s| s.suite()).collect() };
+    assert_eq!(
+        order(true),
+        [
+            S::TLS13_AES_128_GCM_SHA256,
+            S::TLS13_AES_256_GCM_SHA384,
+            S::TLS13_CHACHA20_POLY1305_SHA256
+        ]
+    );
+    assert_eq!(order(false)[0], S::TLS13_CHACHA20_POLY1305_SHA256);
+}

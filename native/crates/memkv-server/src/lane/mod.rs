@@ -5,7 +5,9 @@
 //! (`s3fifo`), the leases (`leases`), and the counts of bytes being received and sent, held by
 //! the handles of `pins`. Each value belongs to a tenant (`crate::tenants`): the lane charges
 //! it to the tenant's quota from reservation until it leaves the index, and under the tenant's
-//! own pressure (its quota full) evicts only that tenant's values (`Lane::evict_own`).
+//! own pressure (its quota full) evicts only that tenant's values (`Lane::evict_own`). A full
+//! lane makes room for a tenant at its share of the lane from that tenant's values first, too
+//! (`Lane::evict_for`).
 
 mod index;
 mod leases;
@@ -72,7 +74,8 @@ impl Inner {
         self.remove(&key);
         let gen = self.next_gen;
         self.next_gen += 1;
-        let in_main = self.queues.admit(&key, gen, value.span.len());
+        let len = value.span.len();
+        let in_main = self.queues.admit(&key, gen, len);
         self.index.insert(
             key.clone(),
             Entry {
@@ -90,7 +93,8 @@ impl Inner {
             .items
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if self.usage.bounded(tenant) {
-            self.own.admit(tenant, &key, gen, &self.index);
+            self.own
+                .admit(tenant, &key, gen, footprint(len) + charge, &self.index);
         }
         self.compact();
     }
@@ -107,7 +111,8 @@ impl Inner {
         self.usage
             .release(e.tenant, footprint(e.value.span.len()) + e.charge);
         if self.usage.bounded(e.tenant) {
-            self.own.forget(e.tenant);
+            self.own
+                .forget(e.tenant, footprint(e.value.span.len()) + e.charge);
         }
         self.usage
             .slot(e.tenant)
@@ -293,7 +298,7 @@ impl Lane {
                     tenant,
                 });
             }
-            let Some((key, value)) = self.evict_one(inner) else {
+            let Some((key, value)) = self.evict_for(inner, tenant, need) else {
                 inner.usage.release(tenant, quota_need);
                 return Err(Status::NoSpace);
             };
@@ -453,6 +458,33 @@ impl Lane {
         self.evict(inner, key)
     }
 
+    /// The eviction that makes room in a full lane (the quotas add up to more than the memory)
+    /// for `tenant`'s new value of `need` bytes. A tenant that the value would take past its
+    /// share of the lane (`Usage::share`) pays with its own values, as under its quota
+    /// (`evict_own`), so its writes leave the other tenants' hits alone; one within its share
+    /// takes from the tenant furthest over its own, so an idle tenant cannot keep more than
+    /// its share from the others for good. S3-FIFO's pick over all values when no tenant has a
+    /// quota (a server without tenants), or none of the chosen tenant's values here may go.
+    fn evict_for(
+        &self,
+        inner: &mut Inner,
+        tenant: TenantId,
+        need: u64,
+    ) -> Option<(Key, Arc<Value>)> {
+        inner.leases.expire(&mut inner.index, Instant::now());
+        let share = |t| (self.capacity() as f64 * self.usage.share(t)) as u64;
+        let past_share = inner.own.bytes(tenant) + need > share(tenant);
+        let payer = if self.usage.bounded(tenant) && past_share {
+            Some(tenant)
+        } else {
+            inner.own.most_over(share)
+        };
+        if let Some(key) = payer.and_then(|t| inner.own.victim(t, &inner.index)) {
+            return self.evict(inner, key);
+        }
+        self.evict_one(inner)
+    }
+
     /// Evicts `key`, counting it for the lane and for its tenant: the key and value it unlinked.
     fn evict(&self, inner: &mut Inner, key: Key) -> Option<(Key, Arc<Value>)> {
         let e = inner.index.get(&key)?;
@@ -513,6 +545,46 @@ mod tests {
         assert_eq!(l.delete(b"a"), Status::NotFound);
         assert_eq!((l.stats().used_bytes, l.stats().index_bytes), (0, 0));
         assert_eq!(put_len(&l, "big", 8 * V), Status::TooLarge);
+    }
+
+    /// Tenants 0 and 1 with equal quotas, each above the lane, in a lane of 8 values.
+    fn shared_lane() -> super::Lane {
+        let usage = std::sync::Arc::new(crate::tenants::usage::Usage::new([1 << 30, 1 << 30]));
+        let per = V + super::tenant_charge(&usage, 0, 2, V);
+        super::Lane::with_usage((8 * per + 63) as usize, 0.5, usage).unwrap()
+    }
+
+    fn put_as(l: &super::Lane, tenant: u32, k: &str) {
+        let mut r = l.reserve_as(tenant as _, k.len(), V).unwrap();
+        let c = memkv_proto::chunk_checksums(r.bytes_mut());
+        l.commit(k.as_bytes(), r, c);
+    }
+
+    fn held(l: &super::Lane, prefix: char) -> usize {
+        (0..10)
+            .filter(|i| super::testing::has(l, &format!("{prefix}{i}")))
+            .count()
+    }
+
+    #[test]
+    fn a_full_lane_takes_from_the_tenant_over_its_share_and_then_the_writers_own() {
+        let l = shared_lane();
+        for i in 0..8 {
+            put_as(&l, 1, &format!("b{i}"));
+        }
+        // b holds the whole lane, twice its share: a's first writes take b's oldest values.
+        for i in 0..4 {
+            put_as(&l, 0, &format!("a{i}"));
+        }
+        assert_eq!((held(&l, 'a'), held(&l, 'b')), (4, 4));
+        assert!((4..8).all(|i| super::testing::has(&l, &format!("b{i}"))));
+        // A fifth value would take a past its share: its writes take its own values, b's stay.
+        for i in 4..10 {
+            put_as(&l, 0, &format!("a{i}"));
+        }
+        assert_eq!((held(&l, 'a'), held(&l, 'b')), (4, 4));
+        assert!((6..10).all(|i| super::testing::has(&l, &format!("a{i}"))));
+        assert_eq!(l.stats().evictions, 10);
     }
 
     #[test]

@@ -15,6 +15,8 @@ struct Fifo {
     items: VecDeque<(Key, u64)>,
     /// The tenant's values in the lane's index.
     live: usize,
+    /// What they are charged (arena footprint and index charge).
+    bytes: u64,
 }
 
 #[derive(Default)]
@@ -23,28 +25,52 @@ pub(super) struct OwnQueues {
 }
 
 impl OwnQueues {
-    /// Queues `tenant`'s new value under `key` (generation `gen`), now in `index`.
+    /// Queues `tenant`'s new value under `key` (generation `gen`, charged `bytes`), now in
+    /// `index`.
     pub(super) fn admit(
         &mut self,
         tenant: TenantId,
         key: &Key,
         gen: u64,
+        bytes: u64,
         index: &HashMap<Key, Entry>,
     ) {
         let f = self.by_tenant.entry(tenant).or_default();
         f.items.push_back((key.clone(), gen));
         f.live += 1;
+        f.bytes += bytes;
         if f.items.len() > 2 * f.live + 16 {
             f.items
                 .retain(|(k, g)| index.get(k).is_some_and(|e| e.gen == *g));
         }
     }
 
-    /// Accounts for one of `tenant`'s values having left the index.
-    pub(super) fn forget(&mut self, tenant: TenantId) {
+    /// Accounts for one of `tenant`'s values, charged `bytes`, having left the index.
+    pub(super) fn forget(&mut self, tenant: TenantId, bytes: u64) {
         if let Some(f) = self.by_tenant.get_mut(&tenant) {
             f.live -= 1;
+            f.bytes -= bytes;
         }
+    }
+
+    /// Bytes `tenant`'s values here are charged.
+    pub(super) fn bytes(&self, tenant: TenantId) -> u64 {
+        self.by_tenant.get(&tenant).map_or(0, |f| f.bytes)
+    }
+
+    /// The tenant whose values here pass its `share` (in bytes) by the most; None when no
+    /// tenant's do.
+    pub(super) fn most_over(&self, share: impl Fn(TenantId) -> u64) -> Option<TenantId> {
+        self.by_tenant
+            .iter()
+            .filter_map(|(&t, f)| {
+                f.bytes
+                    .checked_sub(share(t))
+                    .filter(|&o| o > 0)
+                    .map(|o| (o, t))
+            })
+            .max()
+            .map(|(_, t)| t)
     }
 
     /// The key of `tenant`'s value to evict, which the caller removes: its oldest that is not

@@ -33,20 +33,25 @@ pub struct Slot {
 /// The slots of every tenant, by id.
 pub struct Usage {
     slots: Vec<Slot>,
+    /// The quotas of all tenants that have one, added up.
+    quotas: u64,
 }
 
 impl Usage {
     /// One slot per quota, in tenant order.
     pub fn new(quotas: impl IntoIterator<Item = u64>) -> Usage {
-        Usage {
-            slots: quotas
-                .into_iter()
-                .map(|quota| Slot {
-                    quota,
-                    ..Slot::default()
-                })
-                .collect(),
-        }
+        let slots: Vec<Slot> = quotas
+            .into_iter()
+            .map(|quota| Slot {
+                quota,
+                ..Slot::default()
+            })
+            .collect();
+        let quotas = slots
+            .iter()
+            .filter(|s| s.quota != u64::MAX)
+            .fold(0u64, |n, s| n.saturating_add(s.quota));
+        Usage { slots, quotas }
     }
 
     /// The implicit tenant alone, without a quota.
@@ -57,6 +62,16 @@ impl Usage {
     /// Whether `t` has a quota (the implicit tenant has none).
     pub fn bounded(&self, t: TenantId) -> bool {
         self.slot(t).quota != u64::MAX
+    }
+
+    /// `t`'s part of any memory the tenants share: its quota over all the quotas (0 without a
+    /// quota). When the quotas add up to more than the memory, a full lane gives each tenant
+    /// this share of it before its writes take only its own values (`Lane::reserve_as`).
+    pub fn share(&self, t: TenantId) -> f64 {
+        if !self.bounded(t) || self.quotas == 0 {
+            return 0.0;
+        }
+        self.slot(t).quota as f64 / self.quotas as f64
     }
 
     pub fn slot(&self, t: TenantId) -> &Slot {
@@ -103,6 +118,13 @@ mod tests {
         assert!(u.try_charge(0, 50));
         assert_eq!(u.slot(0).used.load(Relaxed), 90);
         assert!(Usage::unbounded().try_charge(0, u64::MAX));
+    }
+
+    #[test]
+    fn a_share_is_the_quota_over_all_quotas() {
+        let u = Usage::new([30, 10]);
+        assert_eq!((u.share(0), u.share(1)), (0.75, 0.25));
+        assert_eq!(Usage::unbounded().share(0), 0.0);
     }
 
     #[test]
