@@ -65,9 +65,10 @@ def check_tenant_prefix(client: Any, key_prefix: bytes, setting: str) -> None:
             raise ConfigError(
                 setting, "the tenant check",
                 f"keys start with {key_prefix!r}, outside the key prefix {tenant.prefix!r} of "
-                f"tenant {tenant.name!r}, which our auth key names on {addr}: set the prefix to "
-                f"start with {tenant.prefix.decode(errors='replace')!r}, or use that tenant's "
-                f"own credentials")
+                f"tenant {tenant.name!r}, which our credentials (auth key or client "
+                f"certificate) name on {addr}: set the prefix to start with "
+                f"{tenant.prefix.decode(errors='replace')!r}, or use that tenant's own "
+                f"credentials")
 
 
 def store_for(client: Any, cfg: MemKVConfig, clock: Callable[[], float] = time.monotonic,
