@@ -17,11 +17,15 @@ back in DRAM (promoted on their second hit), the network path's own ceiling on t
 it is below the disk ceiling, no disk tier can reach the disk's.
 
   .venv/bin/python benchmarks/disk_tier.py --dir /mnt/nvme/bench [--sizes 1,4,16,64]
-      [--threads 1,2,4,8] [--volume 2048] [--memory 256] [--json out.json]
+      [--threads 1,2,4,8] [--volume 2048] [--memory 256] [--json out.json] [--out DIR]
+  bash scripts/gpu-run.sh python benchmarks/disk_tier.py --quick --dir /local/disk/bench --out DIR
 
---dir must be on the filesystem to measure (tmpfs measures memory copies, not a device). Sizes
-are MiB; --volume is MiB of values per size. The server binary is $MEMKV_BIN or the `memkv`
-next to this interpreter.
+--dir must be on the filesystem to measure (tmpfs measures memory copies, not a device); the
+run prints which filesystem and device it is. Sizes are MiB; --volume is MiB of values per size.
+--quick is 1 and 16 MiB values at 1 and 4 threads over 512 MiB (a few minutes at most on a
+local NVMe). --out DIR writes disk_tier.json (the rows, with the host and filesystem) and
+disk_tier.txt (what was printed) there. The server binary is $MEMKV_BIN or the `memkv` next to
+this interpreter.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -99,8 +104,22 @@ def raw_ceiling(files: list[Path], size: int, threads: int) -> float:
     return sum(done) / took / 1e9
 
 
+def where(path: Path) -> dict:
+    """The filesystem and device `path` is on (the longest mount point above it)."""
+    best = ("", "?", "?")
+    here = str(path.resolve())
+    for line in Path("/proc/mounts").read_text().splitlines():
+        dev, mnt, fs = line.split()[:3]
+        mnt = mnt.replace("\\040", " ")
+        inside = here == mnt or here.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) > len(best[0]):
+            best = (mnt, fs, dev)
+    return {"mount": best[0], "fs": best[1], "device": best[2]}
+
+
 def run_size(
-    base: Path, size_mib: int, threads: list[int], volume_mib: int, memory_mib: int
+    base: Path, size_mib: int, threads: list[int], volume_mib: int, memory_mib: int,
+    say: Callable[[str], None],
 ) -> list:
     memory = f"{memory_mib}M"
     size = size_mib * MIB
@@ -162,10 +181,9 @@ def run_size(
             "dram_gbps": round(dram, 3),
         }
         rows.append(row)
-        print(
+        say(
             f"{size_mib:>4} MiB x{t}: tier {tier:6.2f} GB/s  ceiling {ceiling:6.2f} GB/s  "
-            f"ratio {tier / ceiling:5.1%}  (dram {dram:6.2f} GB/s; {hits}/{n} from disk)",
-            flush=True,
+            f"ratio {tier / ceiling:5.1%}  (dram {dram:6.2f} GB/s; {hits}/{n} from disk)"
         )
     shutil.rmtree(disk, ignore_errors=True)
     return rows
@@ -179,14 +197,38 @@ def main() -> None:
     p.add_argument("--volume", type=int, default=2048, help="MiB of values per size")
     p.add_argument("--memory", type=int, default=256, help="the server's --memory, MiB")
     p.add_argument("--json", type=Path)
+    p.add_argument("--quick", action="store_true", help="1,16 MiB x 1,4 threads over 512 MiB")
+    p.add_argument("--out", type=Path, help="directory for disk_tier.json and disk_tier.txt")
     a = p.parse_args()
+    if a.quick:
+        a.sizes, a.threads, a.volume = "1,16", "1,4", 512
     a.dir.mkdir(parents=True, exist_ok=True)
+    fs = where(a.dir)
+    printed: list[str] = []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        printed.append(line)
+
+    say(f"{os.uname().nodename}: {a.dir} on {fs['fs']} ({fs['device']}, mounted at "
+        f"{fs['mount']}); {os.cpu_count()} CPUs")
+    if fs["fs"] == "tmpfs":
+        say("warning: tmpfs measures memory copies, not a device")
     threads = [int(t) for t in a.threads.split(",")]
+    t0 = time.monotonic()
     rows = []
     for s in a.sizes.split(","):
-        rows += run_size(a.dir, int(s), threads, a.volume, a.memory)
+        rows += run_size(a.dir, int(s), threads, a.volume, a.memory, say)
+    ratios = sorted(r["ratio"] for r in rows)
+    say(f"tier / ceiling: {ratios[0]:.1%} to {ratios[-1]:.1%}, median "
+        f"{ratios[len(ratios) // 2]:.1%} (target >= 85%); {time.monotonic() - t0:.0f} s")
+    result = {"host": os.uname().nodename, "dir": str(a.dir), **fs, "rows": rows}
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1) + "\n")
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "disk_tier.json").write_text(json.dumps(result, indent=1) + "\n")
+        (a.out / "disk_tier.txt").write_text("\n".join(printed) + "\n")
 
 
 if __name__ == "__main__":

@@ -37,11 +37,21 @@ pub struct DiskArgs {
     /// removed.
     #[arg(long, default_value_t = 300.0)]
     disk_recovery_timeout: f64,
+    /// Seconds a graceful stop (SIGTERM, SIGINT) may spend writing the values only DRAM holds
+    /// to the disk tier, after the connections drain, so that a planned restart keeps them; 0:
+    /// none. Keep the drain and this within the supervisor's stop timeout.
+    #[arg(long, default_value_t = 15.0)]
+    disk_flush_timeout: f64,
 }
 
 impl DiskArgs {
-    /// The disk tier's settings; None without --disk.
-    pub fn config(&self, memory: u64) -> Result<Option<DiskConfig>, String> {
+    /// The disk tier's settings; None without --disk. Leases hold at most
+    /// `max_leased_fraction` of its capacity, as of DRAM's.
+    pub fn config(
+        &self,
+        memory: u64,
+        max_leased_fraction: f64,
+    ) -> Result<Option<DiskConfig>, String> {
         if self.disk.is_empty() {
             return match self.disk_size {
                 Some(_) => Err("--disk-size needs --disk".into()),
@@ -66,6 +76,10 @@ impl DiskArgs {
         if !(t.is_finite() && t > 0.0 && t < 1e6) {
             return Err("--disk-recovery-timeout must be a number of seconds above 0".into());
         }
+        let f = self.disk_flush_timeout;
+        if !(f.is_finite() && (0.0..1e6).contains(&f)) {
+            return Err("--disk-flush-timeout must be a number of seconds, 0 or more".into());
+        }
         if self.disk_read_threads == 0 || self.disk_read_threads > 256 {
             return Err("--disk-read-threads must be between 1 and 256".into());
         }
@@ -76,6 +90,8 @@ impl DiskArgs {
             index_bytes: size("--disk-index-memory", &self.disk_index_memory)?,
             read_threads: self.disk_read_threads,
             recovery_timeout: Duration::from_secs_f64(t),
+            max_leased_fraction,
+            flush_timeout: Duration::from_secs_f64(f),
         }))
     }
 }

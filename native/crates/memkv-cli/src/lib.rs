@@ -86,7 +86,8 @@ struct ServeArgs {
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
     /// Share of each lane's memory that may be pinned: leased by EXISTS, or being sent or
-    /// received (0..1).
+    /// received (0..1); and of each --disk directory's capacity that segments held by leases
+    /// may take.
     #[arg(long, default_value_t = 0.5)]
     max_leased_fraction: f64,
     /// Seconds a new connection has to finish its handshake (HELLO, and AUTH with a key).
@@ -436,7 +437,7 @@ fn serve(a: ServeArgs) -> Result<i32, String> {
         min_rate,
         buffer_budget,
         rdma: a.rdma.server_config(),
-        disk: a.disk.config(memory)?,
+        disk: a.disk.config(memory, a.max_leased_fraction)?,
         shm,
         tls: a.tls.files()?,
         tls_allow_rdma: a.tls.tls_allow_rdma,

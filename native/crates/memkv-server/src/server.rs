@@ -313,6 +313,8 @@ impl Server {
             let _ = t.join();
         }
         let open = self.limits.wait_all_closed(self.drain_timeout);
+        // After the drain, so that the values of the last PUTs are written too.
+        self.store.flush_to_disk();
         tracing::info!(open_connections = open, "memkv stopped");
     }
 }

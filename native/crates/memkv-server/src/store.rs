@@ -78,6 +78,10 @@ impl Store {
         (h % self.lanes.len() as u64) as usize
     }
 
+    pub(crate) fn lanes(&self) -> &[Lane] {
+        &self.lanes
+    }
+
     pub(crate) fn lane(&self, key: &[u8]) -> &Lane {
         &self.lanes[self.lane_index(key)]
     }

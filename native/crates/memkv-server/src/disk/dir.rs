@@ -5,8 +5,9 @@
 //! moved, so reclaiming space costs one unlink and no rewriting (no write amplification, the
 //! device's bandwidth all goes to spills and reads), and a FIFO over KV-cache blocks, whose reuse
 //! falls with age, is close to LRU at a fraction of its bookkeeping. A segment holding a leased
-//! value is not evicted until the lease lapses or a GET loads the value; meanwhile spills that
-//! need its room are dropped (counted as `leased`).
+//! value is not evicted until the lease lapses or a GET loads the value; eviction takes the
+//! oldest segment no lease holds instead (leases hold a bounded share, `super::leases`), and
+//! only when every segment is held is a spill dropped (counted as `leased`).
 //!
 //! A write that fails degrades the directory: with ENOSPC (the filesystem is smaller than
 //! `--disk-size`, or shared) its capacity is cut to what it holds and writing goes on within it;
@@ -33,6 +34,11 @@ use crate::arena::Span;
 const SEGMENTS_PER_DIR: u64 = 64;
 const MIN_SEGMENT: u64 = 1 << 20;
 const MAX_SEGMENT: u64 = 1 << 30;
+
+/// The size segments are cut at in a directory of `cap` bytes.
+pub(super) fn segment_size(cap: u64) -> u64 {
+    (cap / SEGMENTS_PER_DIR).clamp(MIN_SEGMENT, MAX_SEGMENT) / BLOCK * BLOCK
+}
 
 pub(super) fn segment_path(dir: &Path, id: u64) -> PathBuf {
     dir.join(format!("{id:016x}.seg"))
@@ -92,9 +98,14 @@ impl DirHandle {
     }
 
     pub(super) fn flush(&self) {
+        let _ = self.mark().recv();
+    }
+
+    /// A marker behind the jobs queued so far: it answers once the writer is past them.
+    pub(super) fn mark(&self) -> Receiver<()> {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.send(Job::Flush(tx));
-        let _ = rx.recv();
+        rx
     }
 }
 
@@ -135,7 +146,7 @@ pub(super) fn start(
         path: r.path.clone(),
         cap,
         index_limit,
-        segment_size: (cap / SEGMENTS_PER_DIR).clamp(MIN_SEGMENT, MAX_SEGMENT) / BLOCK * BLOCK,
+        segment_size: segment_size(cap),
         segments: r.segments,
         used,
         next_id: r.next_id,
@@ -145,7 +156,7 @@ pub(super) fn start(
         shared,
     };
     // A smaller --disk-size than before the restart: the oldest segments go now.
-    while w.used > w.cap && w.evict_oldest() {}
+    while w.used > w.cap && w.evict(0) {}
     std::thread::Builder::new()
         .name(format!("memkv-disk-write-{id}"))
         .spawn(move || w.run(rx))?;
@@ -199,12 +210,12 @@ impl Writer {
                 let loc = Loc {
                     file,
                     dir: self.id,
+                    seg: self.segments.back().expect("appended to it").id,
                     at: off + value_at,
                     len,
                     seq,
                     checksums,
                     hits: 0,
-                    lease_until: None,
                     promoted_as: 0,
                 };
                 if self.shared.index_written(&key, loc) {
@@ -279,30 +290,36 @@ impl Writer {
             if self.segments.is_empty() {
                 return Err(if space { "index_full" } else { "too_large" });
             }
-            if self.oldest_is_leased() {
+            // The oldest segment no lease holds; leases hold a bounded share of the capacity,
+            // so only a record larger than the rest finds none.
+            let now = Instant::now();
+            let leases = shared.leases.lock().unwrap();
+            let victim = self
+                .segments
+                .iter()
+                .position(|s| !leases.held(self.id, s.id, now));
+            drop(leases);
+            let Some(i) = victim else {
                 return Err("leased");
-            }
-            self.evict_oldest();
+            };
+            self.evict(i);
         }
     }
 
-    fn oldest_is_leased(&self) -> bool {
-        let now = Instant::now();
-        self.segments.front().is_some_and(|s| {
-            s.records
-                .iter()
-                .any(|(k, seq)| self.shared.leased(k, *seq, now))
-        })
-    }
-
-    /// Removes the oldest segment and unindexes its records. False when there is none.
-    fn evict_oldest(&mut self) -> bool {
-        let Some(seg) = self.segments.pop_front() else {
+    /// Removes the `i`-th oldest segment and unindexes its records. False when there is none.
+    fn evict(&mut self, i: usize) -> bool {
+        let Some(seg) = self.segments.remove(i) else {
             return false;
         };
-        if self.segments.is_empty() {
+        if i == self.segments.len() {
+            // The newest, which took the appends: the next record opens a new one.
             self.open = false;
         }
+        self.shared
+            .leases
+            .lock()
+            .unwrap()
+            .segment_gone(self.id, seg.id);
         let st = &self.shared.stats;
         let dropped = seg
             .records

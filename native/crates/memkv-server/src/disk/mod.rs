@@ -9,6 +9,8 @@
 //! - `recover`: the index rebuilt from the segments at start.
 //! - `stats`: the tier counters, shown per tier with DRAM's by `memkv stats` and `--metrics`.
 //! - `fetch`: the GET of a disk-resident value into lane memory, and promotion.
+//! - `leases`: leases on disk-resident values and the bound on the segments they hold.
+//! - `flush`: the write of DRAM's values to disk at a graceful stop.
 //!
 //! The tier never makes a PUT wait: an evicted value is copied into the spill queue's staging
 //! memory (a fixed region, counted inside `--memory`) and handed to its directory's writer, or
@@ -18,7 +20,9 @@
 
 mod dir;
 mod fetch;
+mod flush;
 pub mod io;
+mod leases;
 pub mod record;
 mod recover;
 pub mod stats;
@@ -37,6 +41,8 @@ use memkv_proto::Status;
 use crate::arena::LaneMemory;
 use crate::lane::Value;
 use dir::{DirHandle, Job};
+pub use flush::FlushReport;
+use leases::DiskLeases;
 use record::{record_len, Kind, BLOCK};
 pub use stats::DiskStats;
 
@@ -74,6 +80,11 @@ pub struct DiskConfig {
     pub read_threads: usize,
     /// Longest the index rebuild at start may take; segments not read by then are removed.
     pub recovery_timeout: Duration,
+    /// Share of each directory's capacity that segments held by leases may take
+    /// (`--max-leased-fraction`, as for DRAM); an EXISTS past it answers OK_NO_LEASE.
+    pub max_leased_fraction: f64,
+    /// Longest a graceful stop spends writing DRAM's values to disk (`flush`); zero: none.
+    pub flush_timeout: Duration,
 }
 
 type Key = Arc<[u8]>;
@@ -82,13 +93,14 @@ type Key = Arc<[u8]>;
 struct Loc {
     file: Arc<File>,
     dir: u16,
+    /// Id of its segment file.
+    seg: u64,
     /// Offset of the value's first byte in its segment file.
     at: u64,
     len: u64,
     seq: u64,
     checksums: Arc<[u64]>,
     hits: u8,
-    lease_until: Option<Instant>,
     /// Address of the DRAM copy made when the value was promoted (0: none): evicting that copy
     /// again needs no write, its bytes are here already.
     promoted_as: usize,
@@ -99,8 +111,8 @@ impl Loc {
         disk_index_charge(key_len, self.checksums.len())
     }
 
-    fn leased(&self, now: Instant) -> bool {
-        self.lease_until.is_some_and(|t| t > now)
+    fn segment(&self) -> (u16, u64) {
+        (self.dir, self.seg)
     }
 }
 
@@ -116,6 +128,10 @@ struct Shared {
     shards: Vec<Mutex<Shard>>,
     stats: DiskStats,
     seq: AtomicU64,
+    /// Taken after a shard's lock, never before it.
+    leases: Mutex<DiskLeases>,
+    /// Per directory: the size its segments are cut at (what a leased segment is charged).
+    segment_size: Vec<u64>,
 }
 
 impl Shared {
@@ -144,6 +160,7 @@ impl Shared {
         self.stats.add_item(loc.len, loc.charge(key.len()));
         if let Some(old) = s.index.insert(key.clone(), loc) {
             self.stats.remove_item(old.len, old.charge(key.len()));
+            self.leases.lock().unwrap().release(old.segment(), &key);
         }
     }
 
@@ -154,18 +171,31 @@ impl Shared {
         if s.index.get(key).is_some_and(|l| l.seq == seq) {
             let l = s.index.remove(key).unwrap();
             self.stats.remove_item(l.len, l.charge(key.len()));
+            self.leases.lock().unwrap().release(l.segment(), key);
             return true;
         }
         false
     }
 
-    /// Whether `key`'s record `seq` is leased now.
-    fn leased(&self, key: &[u8], seq: u64, now: Instant) -> bool {
-        let s = self.shard(key).lock().unwrap();
-        s.index
-            .get(key)
-            .is_some_and(|l| l.seq == seq && l.leased(now))
+    /// Bytes a lease on `loc` holds: its segment, at most the size segments are cut at, or
+    /// the one record that is larger.
+    fn lease_charge(&self, loc: &Loc) -> u64 {
+        let cut = self
+            .segment_size
+            .get(loc.dir as usize)
+            .copied()
+            .unwrap_or(0);
+        cut.max(loc.at + loc.len.div_ceil(BLOCK) * BLOCK)
     }
+}
+
+/// What became of a value handed to the spill queue.
+enum Staged {
+    Queued,
+    /// Its record is on disk already (a promoted value): nothing to write.
+    OnDisk,
+    /// Not written, for this reason (one of `stats::DROP_REASONS`).
+    Dropped(&'static str),
 }
 
 /// What a GET needs to read a disk-resident value.
@@ -184,6 +214,7 @@ pub struct DiskTier {
     dirs: Vec<DirHandle>,
     staging: Arc<LaneMemory>,
     reads: io::ReadPool,
+    flush_timeout: Duration,
 }
 
 impl DiskTier {
@@ -191,12 +222,15 @@ impl DiskTier {
     /// timeout, logging progress) and starts a writer per directory. A directory that cannot be
     /// used is logged and left out (degraded), never fatal: the server runs from DRAM alone.
     pub fn open(cfg: &DiskConfig) -> std::io::Result<Arc<DiskTier>> {
+        let per_dir = cfg.size / cfg.dirs.len().max(1) as u64;
+        let lease_limit = (per_dir as f64 * cfg.max_leased_fraction) as u64;
         let shared = Arc::new(Shared {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             stats: DiskStats::default(),
             seq: AtomicU64::new(1),
+            leases: Mutex::new(DiskLeases::new(vec![lease_limit; cfg.dirs.len()])),
+            segment_size: vec![dir::segment_size(per_dir); cfg.dirs.len()],
         });
-        let per_dir = cfg.size / cfg.dirs.len().max(1) as u64;
         shared
             .stats
             .capacity
@@ -214,10 +248,18 @@ impl DiskTier {
             dirs,
             staging: LaneMemory::new(cfg.queue_bytes as usize)?,
             reads: io::ReadPool::new(cfg.read_threads)?,
+            flush_timeout: cfg.flush_timeout,
         }))
     }
 
     pub fn stats(&self) -> &DiskStats {
+        let held = self
+            .shared
+            .leases
+            .lock()
+            .unwrap()
+            .held_total(Instant::now());
+        self.shared.stats.leased_bytes.store(held, Relaxed);
         &self.shared.stats
     }
 
@@ -236,27 +278,34 @@ impl DiskTier {
     /// memory and hands it to its directory's writer. Never waits: with the queue full, the
     /// directories degraded or the value too large, the value is dropped (and counted).
     pub fn offer(&self, key: &[u8], value: Arc<Value>) {
+        match self.stage(key, &value) {
+            Staged::Queued | Staged::OnDisk => {}
+            Staged::Dropped(reason) => self.shared.stats.drop_spill(reason),
+        }
+    }
+
+    /// `offer`'s work, leaving the drop to the caller (a graceful stop waits and asks again
+    /// when the queue is full).
+    fn stage(&self, key: &[u8], value: &Value) -> Staged {
         let st = &self.shared.stats;
         {
             let s = self.shared.shard(key).lock().unwrap();
             if s.index
                 .get(key)
-                .is_some_and(|l| l.promoted_as == Arc::as_ptr(&value) as usize)
+                .is_some_and(|l| l.promoted_as == std::ptr::from_ref(value) as usize)
             {
                 st.spill_skipped.fetch_add(1, Relaxed);
-                return;
+                return Staged::OnDisk;
             }
         }
         let Some(dir) = self.dir_for(key) else {
-            st.drop_spill("degraded");
-            return;
+            return Staged::Dropped("degraded");
         };
         let len = value.span.len();
         let sums = &value.checksums;
         let rlen = record_len(key.len(), sums.len(), len);
         let Some(mut rec) = self.staging.alloc_aligned(rlen, BLOCK) else {
-            st.drop_spill("queue_full");
-            return;
+            return Staged::Dropped("queue_full");
         };
         let seq = self.shared.next_seq();
         let hlen = record::header_len(key.len(), sums.len()) as usize;
@@ -265,7 +314,6 @@ impl DiskTier {
         buf[hlen..hlen + len as usize].copy_from_slice(value.span.as_slice());
         buf[hlen + len as usize..].fill(0);
         let checksums: Arc<[u64]> = sums.as_slice().into();
-        drop(value);
         let key: Key = Arc::from(key);
         self.shared
             .shard(&key)
@@ -282,6 +330,7 @@ impl DiskTier {
             len,
             checksums,
         });
+        Staged::Queued
     }
 
     /// Forgets `key` (overwritten or deleted): its record and any spill of it in the queue are
@@ -298,6 +347,7 @@ impl DiskTier {
         let had = loc.is_some();
         if let Some(l) = &loc {
             self.shared.stats.remove_item(l.len, l.charge(key.len()));
+            self.shared.leases.lock().unwrap().release(l.segment(), key);
         }
         let mut dirs: Vec<u16> = loc.map(|l| l.dir).into_iter().collect();
         dirs.extend(pending.map(|p| p.1).filter(|d| !dirs.contains(d)));
@@ -313,17 +363,23 @@ impl DiskTier {
 
     /// EXISTS of a key not in DRAM: (Ok, length) when it is on disk, leased for `lease` when
     /// that is above zero (the lease keeps its segment from eviction until it lapses or a GET
-    /// loads the value).
+    /// loads the value); (OkNoLease, length) when that lease would pass the bound on leased
+    /// segments (`leases`).
     pub fn exists(&self, key: &[u8], lease: Duration, now: Instant) -> (Status, u64) {
-        let mut s = self.shared.shard(key).lock().unwrap();
-        let Some(l) = s.index.get_mut(key) else {
+        let s = self.shared.shard(key).lock().unwrap();
+        let Some((k, l)) = s.index.get_key_value(key) else {
             return (Status::NotFound, 0);
         };
-        if !lease.is_zero() {
-            let until = now + lease;
-            l.lease_until = Some(l.lease_until.map_or(until, |t| t.max(until)));
+        if lease.is_zero() {
+            return (Status::Ok, l.len);
         }
-        (Status::Ok, l.len)
+        let charge = self.shared.lease_charge(l);
+        let mut leases = self.shared.leases.lock().unwrap();
+        if leases.grant(l.segment(), charge, k, now + lease, now) {
+            return (Status::Ok, l.len);
+        }
+        self.shared.stats.lease_denied.fetch_add(1, Relaxed);
+        (Status::OkNoLease, l.len)
     }
 
     /// A GET's look-up: where the value lies, counting the hit (releasing any lease: the value
@@ -332,7 +388,7 @@ impl DiskTier {
         let mut s = self.shared.shard(key).lock().unwrap();
         let l = s.index.get_mut(key)?;
         l.hits = l.hits.saturating_add(1);
-        l.lease_until = None;
+        self.shared.leases.lock().unwrap().release(l.segment(), key);
         Some(ReadPlan {
             file: l.file.clone(),
             at: l.at,

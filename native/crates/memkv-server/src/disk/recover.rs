@@ -87,12 +87,12 @@ pub(super) fn recover_all(dirs: &[PathBuf], deadline: Instant, shared: &Shared) 
             let loc = Loc {
                 file: seg.file.clone(),
                 dir: d as u16,
+                seg: seg.id,
                 at: f.at,
                 len: f.len,
                 seq: f.seq,
                 checksums: f.checksums,
                 hits: 0,
-                lease_until: None,
                 promoted_as: 0,
             };
             let mut s = shared.shard(&f.key).lock().unwrap();

@@ -19,7 +19,7 @@ pub const DROP_REASONS: [&str; 7] = [
     "degraded",
     // Larger than a directory's capacity.
     "too_large",
-    // Its room is held by a leased value in the oldest segment.
+    // Its room is held by leased values: every segment it could evict holds one.
     "leased",
     // The disk index is at its bound and this directory has nothing left to evict.
     "index_full",
@@ -63,6 +63,11 @@ pub struct DiskStats {
     pub degraded_dirs: AtomicU64,
     pub recovered_items: AtomicU64,
     pub recovery_ms: AtomicU64,
+    /// Bytes of segments held by leases (`leases`), as of the last `DiskTier::stats`.
+    pub leased_bytes: AtomicU64,
+    /// EXISTS leases refused on disk-resident values (answered OK_NO_LEASE): the segments
+    /// leases hold were at their bound.
+    pub lease_denied: AtomicU64,
     dropped: [AtomicU64; DROP_REASONS.len()],
 }
 
@@ -148,6 +153,8 @@ pub fn tiers_json(
             "file_bytes": d.used.load(Relaxed),
             "index_bytes": d.index_bytes.load(Relaxed),
             "queued_bytes": d.queued_bytes.load(Relaxed),
+            "leased_bytes": d.leased_bytes.load(Relaxed),
+            "lease_denied": d.lease_denied.load(Relaxed),
             "spill_dropped": dropped,
             "spill_skipped": d.spill_skipped.load(Relaxed),
             "corrupt": d.corrupt.load(Relaxed),
@@ -270,6 +277,18 @@ pub fn tiers_prometheus(
             "gauge",
             "bytes in the spill queue",
             d.queued_bytes.load(Relaxed) as f64,
+        ),
+        (
+            "memkv_disk_leased_bytes",
+            "gauge",
+            "bytes of segment files held by leases",
+            d.leased_bytes.load(Relaxed) as f64,
+        ),
+        (
+            "memkv_disk_lease_denied_total",
+            "counter",
+            "leases refused on disk values, leased segments at their bound",
+            d.lease_denied.load(Relaxed) as f64,
         ),
         (
             "memkv_disk_corrupt_total",

@@ -44,6 +44,8 @@ fn config(dir: &TempDir, size: u64) -> DiskConfig {
         index_bytes: 1 << 20,
         read_threads: 2,
         recovery_timeout: Duration::from_secs(30),
+        max_leased_fraction: 0.5,
+        flush_timeout: Duration::from_secs(30),
     }
 }
 
@@ -183,11 +185,14 @@ fn a_leased_value_on_disk_outlives_a_flood_until_it_is_loaded() {
         s.exists(&[b"k0"], Duration::from_secs(60))[0],
         (Status::Ok, V as u64)
     );
+    let spills = disk(&s).stats().spills.load(Relaxed);
     for i in 100..200 {
         put(&s, &format!("k{i}"), &value(i));
     }
     disk(&s).flush();
-    assert!(disk(&s).stats().dropped("leased") > 0);
+    let st = disk(&s).stats();
+    assert_eq!(st.dropped("leased"), 0, "one lease held up the whole tier");
+    assert!(st.spills.load(Relaxed) >= spills + 80);
     assert_eq!(get(&s, "k0"), Some(value(0)), "the lease did not hold");
     for i in 200..300 {
         put(&s, &format!("k{i}"), &value(i));
@@ -199,4 +204,60 @@ fn a_leased_value_on_disk_outlives_a_flood_until_it_is_loaded() {
         "loaded, the value is evicted like any other"
     );
     assert!(disk(&s).stats().used.load(Relaxed) <= 16 << 20);
+}
+
+#[test]
+fn leases_hold_at_most_their_share_of_the_tier_and_spills_go_on() {
+    let dir = TempDir::new("lease-bound");
+    let s = store(&dir, 16 << 20);
+    fill(&s);
+    // Half of 16 MiB may be held: eight of its 1 MiB segments, three values each.
+    let now = std::time::Instant::now();
+    let answers: Vec<(usize, Status)> = (0..40)
+        .map(|i| {
+            (
+                i,
+                disk(&s)
+                    .exists(format!("k{i}").as_bytes(), Duration::from_secs(60), now)
+                    .0,
+            )
+        })
+        .filter(|(_, st)| *st != Status::NotFound)
+        .collect();
+    let leased: Vec<usize> = answers
+        .iter()
+        .filter(|(_, st)| *st == Status::Ok)
+        .map(|(i, _)| *i)
+        .collect();
+    let refused = answers.len() - leased.len();
+    assert!(leased.len() >= 8 && refused > 0, "{answers:?}");
+    assert!(answers
+        .iter()
+        .all(|(_, st)| matches!(st, Status::Ok | Status::OkNoLease)));
+    let st = disk(&s).stats();
+    assert!(st.leased_bytes.load(Relaxed) <= 8 << 20);
+    assert_eq!(st.lease_denied.load(Relaxed), refused as u64);
+    let spills = st.spills.load(Relaxed);
+    for i in 100..200 {
+        put(&s, &format!("k{i}"), &value(i));
+    }
+    disk(&s).flush();
+    let st = disk(&s).stats();
+    assert!(
+        st.spills.load(Relaxed) >= spills + 80,
+        "spills stopped behind the leases"
+    );
+    assert!(st.used.load(Relaxed) <= 16 << 20);
+    for i in leased {
+        assert_eq!(
+            get(&s, &format!("k{i}")),
+            Some(value(i)),
+            "leased k{i} lost"
+        );
+    }
+    assert_eq!(
+        disk(&s).stats().leased_bytes.load(Relaxed),
+        0,
+        "loads release"
+    );
 }

@@ -448,6 +448,21 @@ impl Lane {
         }
     }
 
+    /// Every value the lane holds, hottest first (S3-FIFO's main queue before its small one,
+    /// then by access count): what a graceful stop writes to the disk tier, in the order that
+    /// keeps the most useful values when its time runs out.
+    pub fn resident(&self) -> Vec<(Arc<[u8]>, Arc<Value>)> {
+        let inner = self.inner.lock().unwrap();
+        let mut v: Vec<_> = inner
+            .index
+            .iter()
+            .map(|(k, e)| ((e.in_main, e.freq), k.clone(), e.value.clone()))
+            .collect();
+        drop(inner);
+        v.sort_by_key(|(hot, _, _)| std::cmp::Reverse(*hot));
+        v.into_iter().map(|(_, k, e)| (k, e)).collect()
+    }
+
     /// One S3-FIFO eviction step: the key and value it unlinked. None when nothing can be
     /// evicted (all leased or in transfer).
     fn evict_one(&self, inner: &mut Inner) -> Option<(Key, Arc<Value>)> {
