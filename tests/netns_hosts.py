@@ -1,7 +1,9 @@
 """Hosts as separate network stacks: one Linux network namespace per host, joined to the root
 namespace (where the test's client runs) by a veth pair. The only addresses are the two ends of
 each pair (10.231.S.4i+1 in the root namespace, 10.231.S.4i+2 in the host's, a /30 each, S picked
-free per test run), so nothing here can reach another machine.
+free per test run), so nothing here can reach another machine. `join()` links two hosts directly
+(a pair of their own, the next /30), for hosts that talk to each other, such as the nodes of one
+vLLM engine.
 
 Faults are made with the kernel's own tools: `blackhole()` adds a blackhole route in the host's
 namespace towards the client, so the server's packets (SYN-ACKs, replies, ACKs) vanish without an
@@ -83,6 +85,7 @@ class Hosts:
     def __init__(self) -> None:
         self.tag = f"mkvh{os.getpid()}"
         self.hosts: list[Host] = []
+        self._slots = 0  # /30s handed out: one per host, one per join
         self._remove_leftovers()
         self.subnet = self._free_subnet()
 
@@ -120,11 +123,16 @@ class Hosts:
                 return s
         raise RuntimeError("no free 10.231.S.0/24 for test hosts")
 
-    def add(self) -> Host:
-        i = len(self.hosts)
+    def _slot(self) -> int:
+        i = self._slots
         if i >= 63:
-            raise ValueError("at most 63 hosts per test")
-        ns, link = f"{self.tag}x{i}", f"mkv{os.getpid() % 100000}x{i}"
+            raise ValueError("at most 63 hosts and joins per test")
+        self._slots += 1
+        return i
+
+    def add(self) -> Host:
+        i, n = self._slot(), len(self.hosts)
+        ns, link = f"{self.tag}x{n}", f"mkv{os.getpid() % 100000}x{n}"
         peer, addr = f"10.231.{self.subnet}.{4 * i + 1}", f"10.231.{self.subnet}.{4 * i + 2}"
         _ip("netns", "add", ns)
         host = Host(ns, link, addr, peer)
@@ -136,6 +144,19 @@ class Hosts:
                      ("link", "set", "lo", "up")):
             _ip("netns", "exec", ns, "ip", *args)
         return host
+
+    def join(self, a: Host, b: Host) -> tuple[str, str, str]:
+        """Links `a` and `b` by a veth pair of their own, which goes with their namespaces;
+        returns its name (the same in both) and their addresses on it (10.231.S.4i+1 in `a`,
+        4i+2 in `b`)."""
+        i = self._slot()
+        link = f"mkj{i}"
+        ends = f"10.231.{self.subnet}.{4 * i + 1}", f"10.231.{self.subnet}.{4 * i + 2}"
+        _ip("link", "add", link, "netns", a.ns, "type", "veth", "peer", "name", link, "netns", b.ns)
+        for host, addr in zip((a, b), ends, strict=True):
+            _ip("netns", "exec", host.ns, "ip", "addr", "add", f"{addr}/30", "dev", link)
+            _ip("netns", "exec", host.ns, "ip", "link", "set", link, "up")
+        return link, *ends
 
     def close(self) -> None:
         for h in self.hosts:
