@@ -104,7 +104,9 @@ class RedisNode:
                            capture_output=True,
                            text=True, timeout=timeout)
         if p.returncode != 0:
-            raise RuntimeError(f"redis-cli {' '.join(args)}: {p.stderr.strip()}")
+            # redis-cli --cluster prints its errors on stdout.
+            raise RuntimeError(f"redis-cli {' '.join(args)}: {p.stderr.strip()}"
+                               f"{p.stdout.strip()[-2000:]}")
         return p.stdout
 
     def alive(self) -> bool:
