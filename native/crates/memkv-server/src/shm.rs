@@ -99,10 +99,11 @@ impl ShmShared {
     }
 
     /// The live mapping of `key`, or a new one made by `make` (and handed to the populate
-    /// thread). A dead mapping (its file shrank under a copy) is never handed out again.
+    /// thread when `populate`: tmpfs files, in base pages). A dead mapping (its file shrank under a copy) is never handed out again.
     fn mapping(
         &self,
         key: MapKey,
+        populate: bool,
         make: impl FnOnce() -> Result<Mapping, String>,
     ) -> Result<Arc<Mapping>, String> {
         let mut maps = self.maps.lock().unwrap_or_else(|e| e.into_inner());
@@ -115,7 +116,7 @@ impl ShmShared {
         let m = Arc::new(make()?);
         maps.insert(key, Arc::downgrade(&m));
         drop(maps);
-        if m.populate {
+        if populate {
             self.populate_later(Arc::downgrade(&m));
         }
         Ok(m)
@@ -232,8 +233,6 @@ struct Mapping {
     map: (usize, usize),
     /// A copy faulted (the file shrank): the mapping is anonymous memory now.
     dead: AtomicBool,
-    /// Its file's resident pages are to be faulted in ahead of the copies (tmpfs: base pages).
-    populate: bool,
     _charge: Charge,
 }
 
@@ -378,7 +377,7 @@ impl ShmPeer {
         let start = (r.file_offset - map_off) as usize;
         let map_len = (start as u64 + r.len).div_ceil(align) * align;
         let key = (st.st_dev, st.st_ino, map_off, map_len);
-        let mapping = shared.mapping(key, || {
+        let mapping = shared.mapping(key, sfs.f_type as u64 == TMPFS_MAGIC, || {
             let charged = shared
                 .mapped
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |m| {
@@ -418,7 +417,6 @@ impl ShmPeer {
             Ok(Mapping {
                 map: (p as usize, map_len as usize),
                 dead: AtomicBool::new(false),
-                populate: sfs.f_type as u64 == TMPFS_MAGIC,
                 _charge: charge,
             })
         })?;

@@ -162,11 +162,11 @@ impl Transport for TlsTransport {
                 let _ = self.flush_until(Instant::now() + Duration::from_millis(100));
                 return Err(failure(format!("TLS: {e}")));
             }
-            if !self.tls.is_handshaking() {
+            // What the handshake settled, read once as it ends (the client's Finished comes in
+            // here), not again with every record after it.
+            if handshaking && !self.tls.is_handshaking() {
                 self.reads_hello_tenant =
                     self.tls.alpn_protocol() == Some(memkv_tls::ALPN_HELLO_TENANT);
-            }
-            if self.identity.is_none() && !self.tls.is_handshaking() {
                 self.identity = self
                     .tls
                     .peer_certificates()

@@ -108,11 +108,10 @@ impl Inner {
         self.queues.forget(&e);
         self.leases.release(&mut e);
         self.index_bytes -= e.charge;
-        self.usage
-            .release(e.tenant, footprint(e.value.span.len()) + e.charge);
+        let charged = footprint(e.value.span.len()) + e.charge;
+        self.usage.release(e.tenant, charged);
         if self.usage.bounded(e.tenant) {
-            self.own
-                .forget(e.tenant, footprint(e.value.span.len()) + e.charge);
+            self.own.forget(e.tenant, charged);
         }
         self.usage
             .slot(e.tenant)
@@ -463,10 +462,9 @@ impl Lane {
         v.into_iter().map(|(_, k, e)| (k, e)).collect()
     }
 
-    /// One S3-FIFO eviction step: the key and value it unlinked. None when nothing can be
-    /// evicted (all leased or in transfer).
-    fn evict_one(&self, inner: &mut Inner) -> Option<(Key, Arc<Value>)> {
-        inner.leases.expire(&mut inner.index, Instant::now());
+    /// One S3-FIFO eviction step over all values, leases already expired: the key and value
+    /// it unlinked. None when nothing can be evicted (all leased or in transfer).
+    fn evict_s3fifo(&self, inner: &mut Inner) -> Option<(Key, Arc<Value>)> {
         let key = inner
             .queues
             .victim(&mut inner.index, self.capacity() / 10)?;
@@ -497,7 +495,7 @@ impl Lane {
         if let Some(key) = payer.and_then(|t| inner.own.victim(t, &inner.index)) {
             return self.evict(inner, key);
         }
-        self.evict_one(inner)
+        self.evict_s3fifo(inner)
     }
 
     /// Evicts `key`, counting it for the lane and for its tenant: the key and value it unlinked.
