@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -87,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="vLLM's CPU pool (must hold the longest prefix)")
     ap.add_argument("--server-memory", default="24G", help="memkv serve --memory")
     ap.add_argument("--server-lanes", type=int, default=8)
+    ap.add_argument("--server-args", default="", help="more memkv serve arguments")
     ap.add_argument("--connections", type=int, default=0,
                     help="connections_per_server of every memkv client (0: memkv_vllm's default)")
     ap.add_argument("--same-host-transport", default="shm",
@@ -349,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     make_model(model, shape, max(args.prefixes) + SUFFIX_TOKENS + 1024)
     print(f"[gpu_ttft] model {args.shape} in {model}, prefixes {args.prefixes}, "
           f"modes {args.modes}, logs in {work}", flush=True)
-    server = MemKVServer(memory=args.server_memory, lanes=args.server_lanes).start()
+    server = MemKVServer(memory=args.server_memory, lanes=args.server_lanes,
+                         extra=shlex.split(args.server_args)).start()
     results: dict[str, dict] = {}
     failed = ""
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -158,14 +159,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="KVOffloader batch_values")
     ap.add_argument("--stream", type=int, default=8, help="jobs per streamed run")
     ap.add_argument("--lanes", type=int, default=8, help="memkv serve --lanes")
+    ap.add_argument("--server-args", default="",
+                    help="more memkv serve arguments, e.g. '--shm-copy-threads 1'")
     ap.add_argument("--transport", default="tcp", choices=["tcp", "shm", "auto"],
                     help="the client's transport (shm: the same-host path)")
     a = ap.parse_args()
     sizes = [int(x) for x in a.blocks.split(",")]
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {a.conns} "
           f"connections, {a.io_threads} I/O threads, {a.batch} values per batch, "
-          f"{a.stream} jobs per stream, server lanes {a.lanes}, transport {a.transport}")
-    srv = MemKVServer(memory=a.memory, lanes=a.lanes).start()
+          f"{a.stream} jobs per stream, server lanes {a.lanes}, transport {a.transport}, "
+          f"server args {a.server_args or '-'}")
+    srv = MemKVServer(memory=a.memory, lanes=a.lanes, extra=shlex.split(a.server_args)).start()
     try:
         print(f"{'layout':6} {'medium':6} {'method':9} {'blocks':>6} {'MiB':>5} | {'pinD2H':>6} "
               f"{'pinH2D':>6} {'TCP1':>5} {'TCP' + str(a.conns):>5} | {'gather':>6} {'%':>3} "

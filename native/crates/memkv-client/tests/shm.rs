@@ -109,6 +109,8 @@ fn round_trips_of_every_size_through_the_servers_copies() {
         (256 << 10) + 1,
         3 << 20,
         (5 << 20) + 13,
+        // Past the copy pool's threshold on its own: its pieces are copied by several threads.
+        (9 << 20) + 7,
     ];
     let total: usize = sizes.iter().sum();
     let src = Region::new(&c, total);
@@ -200,40 +202,62 @@ fn buffers_outside_regions_go_over_the_socket() {
     s.wait();
 }
 
-#[test]
-fn a_region_shrunk_under_the_server_fails_its_keys_and_the_server_lives() {
-    let s = server();
-    let c = client(&s);
-    let r = Region::new(&c, 8 << 20);
-    r.write(0, &value(2, 3 << 20));
-    // A batch of eight keys goes over both connections: each maps the region.
-    let keys: Vec<Vec<u8>> = (0..8).map(|i| vec![b'v', i]).collect();
-    let krefs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
-    let bufs: Vec<Buf> = (0..8).map(|i| r.buf(i << 18, 1 << 18)).collect();
-    assert!(put(&c, &krefs, &bufs).iter().all(|s| *s == Status::Ok));
-    // Shrink the file to nothing: the server's mappings of it now fault (SIGBUS) past 0.
+/// A client of one connection: which connection a request takes (and so whether it has mapped a
+/// region already) is then known.
+fn one_connection_client(s: &Server) -> Arc<Client> {
+    Client::new(ClientConfig {
+        servers: vec![s.addr.to_string()],
+        op_timeout: Duration::from_secs(10),
+        transport: TransportChoice::Shm,
+        connections_per_server: 1,
+        ..ClientConfig::default()
+    })
+    .unwrap()
+}
+
+/// Stores `value(seed, len)` under `key` through a region of `region_len` bytes, then shrinks the
+/// region's file to nothing under two clients whose one connection each has the region mapped
+/// (the server maps the file once for both): a PUT from it through the first and a GET into it
+/// through the second must both fail with REMOTE_ACCESS, store nothing and leave the server and
+/// `key` intact. A failed key closes its connection, hence a client per failure.
+fn shrink_under(s: &Server, key: &[u8], len: usize, region_len: usize) {
+    let (ca, cb) = (one_connection_client(s), one_connection_client(s));
+    let r = Region::new(&ca, region_len);
+    // SAFETY: the mapping outlives both clients' use of it.
+    unsafe { cb.register_memory(r.ptr, r.len).unwrap() };
+    r.write(0, &value(2, len));
+    assert_eq!(put(&ca, &[key], &[r.buf(0, len)]), [Status::Ok]);
+    assert_eq!(get(&cb, &[key], &[r.buf(len, len)]), [Status::Ok]);
     // SAFETY: ftruncate of our own memfd; the test touches the mapping no more.
     assert_eq!(unsafe { libc::ftruncate(r.mem.fd().as_raw_fd(), 0) }, 0);
-    assert_eq!(
-        put(&c, &[b"w"], &[r.buf(0, 1 << 20)]),
-        [Status::RemoteAccess]
-    );
-    assert_eq!(
-        get(&c, &[b"v\x00"], &[r.buf(4 << 20, 1 << 18)]),
-        [Status::RemoteAccess]
-    );
-    // The connections share the one mapping of the file: the first fault kills it for both, so
-    // the second key may fail without a fault of its own.
+    assert_eq!(put(&ca, &[b"w"], &[r.buf(0, len)]), [Status::RemoteAccess]);
+    assert_eq!(get(&cb, &[key], &[r.buf(len, len)]), [Status::RemoteAccess]);
+    // The clients share the one mapping of the file: the first fault kills it for both, so the
+    // second key may fail without a fault of its own.
     let faults = s.store.metrics.errors("shm_fault");
     assert!((1..=2).contains(&faults), "{faults} faults");
     assert!(s.store.fetch_verified(b"w").is_err(), "nothing stored");
     // The server and the stored value are intact; a fresh region works.
-    let fresh = Region::new(&c, 4 << 20);
-    assert_eq!(get(&c, &[b"v\x07"], &[fresh.buf(0, 1 << 18)]), [Status::Ok]);
-    assert_eq!(
-        &fresh.bytes()[..1 << 18],
-        &value(2, 3 << 20)[7 << 18..8 << 18]
-    );
+    let c = client(s);
+    let fresh = Region::new(&c, len);
+    assert_eq!(get(&c, &[key], &[fresh.buf(0, len)]), [Status::Ok]);
+    assert_eq!(fresh.bytes(), &value(2, len)[..], "the value is intact");
+}
+
+#[test]
+fn a_region_shrunk_under_the_server_fails_its_keys_and_the_server_lives() {
+    let s = server();
+    shrink_under(&s, b"v", 1 << 20, 4 << 20);
+    s.shutdown();
+    s.wait();
+}
+
+#[test]
+fn a_region_shrunk_under_pooled_copies_fails_their_keys() {
+    // Values big enough for the copy pool, whose pieces several threads copy: whichever thread
+    // meets the fault, the key fails.
+    let s = server();
+    shrink_under(&s, b"big", 8 << 20, 16 << 20);
     s.shutdown();
     s.wait();
 }

@@ -22,6 +22,7 @@ pub mod metrics_http;
 pub mod rdma;
 pub mod server;
 pub mod shm;
+mod shm_copy;
 #[cfg(test)]
 mod shm_tests;
 pub mod store;

@@ -263,30 +263,33 @@ fn regions_that_are_not_shared_memory_are_refused() {
 
 #[test]
 fn a_corrupt_value_answers_corrupt_and_writes_no_byte() {
-    let srv = server();
-    let mem = Mem::new(2 << 20);
-    let len = 3 * proto::CHECKSUM_CHUNK + 5;
-    let val: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
-    mem.write(0, &val);
-    let mut s = connect(&srv);
-    assert!(region(&mut s, 1, 2 << 20, Some(mem.fd.as_raw_fd())).0);
-    assert_eq!(put(&mut s, b"v", desc(1, 0, len as u64)), Some(Status::Ok));
-    let v = srv.store.fetch_verified(b"v").ok().unwrap();
-    v.span.corrupt_for_test(2 * proto::CHECKSUM_CHUNK + 7);
-    drop(v);
-    let off = 1 << 20;
-    mem.write(off, &vec![0xEE; len]);
-    assert_eq!(
-        get(&mut s, b"v", desc(1, off as u64, len as u64)),
-        Some(Status::Corrupt)
-    );
-    assert!(
-        mem.bytes()[off..off + len].iter().all(|&b| b == 0xEE),
-        "no byte written"
-    );
-    assert!(srv.store.fetch_verified(b"v").is_err(), "dropped");
-    srv.shutdown();
-    srv.wait();
+    // A value checked on the connection's thread, and one whose chunks the copy pool checks.
+    for len in [3 * proto::CHECKSUM_CHUNK + 5, (6 << 20) + 5] {
+        let srv = server();
+        let mem = Mem::new(16 << 20);
+        let val: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+        mem.write(0, &val);
+        let mut s = connect(&srv);
+        assert!(region(&mut s, 1, 16 << 20, Some(mem.fd.as_raw_fd())).0);
+        assert_eq!(put(&mut s, b"v", desc(1, 0, len as u64)), Some(Status::Ok));
+        let v = srv.store.fetch_verified(b"v").ok().unwrap();
+        // In the last chunk: every chunk before it checks out.
+        v.span.corrupt_for_test(len - 3);
+        drop(v);
+        let off = 8 << 20;
+        mem.write(off, &vec![0xEE; len]);
+        assert_eq!(
+            get(&mut s, b"v", desc(1, off as u64, len as u64)),
+            Some(Status::Corrupt)
+        );
+        assert!(
+            mem.bytes()[off..off + len].iter().all(|&b| b == 0xEE),
+            "no byte written ({len} bytes)"
+        );
+        assert!(srv.store.fetch_verified(b"v").is_err(), "dropped");
+        srv.shutdown();
+        srv.wait();
+    }
 }
 
 #[test]

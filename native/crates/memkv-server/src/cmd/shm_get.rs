@@ -4,21 +4,20 @@
 //! CORRUPT, drops the value and copies nothing), and after the reply the server never touches
 //! the client's memory for the request. A descriptor outside the connection's live regions, or
 //! a region whose file shrank under the copy, fails its key as REMOTE_ACCESS; the connection
-//! then closes after its reply. Copies go in pieces, the deadline checked before each, so a
-//! request that ran out of time stops copying (and gets no reply).
+//! then closes after its reply. Copies go in pieces over the copy pool (`crate::shm_copy`), the
+//! deadline checked before each, so a request that ran out of time stops copying (and gets no
+//! reply).
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Instant;
 
-use memkv_proto::{self as proto, Header, Status};
+use memkv_proto::{self as proto, Header, ProtoError, Status};
 
 use crate::conn::{Conn, End};
 use crate::lane::Value;
+use crate::shm::ShmShared;
+use crate::shm_copy::CopyJob;
 use crate::transport::Transport;
-
-/// Bytes copied between two looks at the deadline.
-const COPY_PIECE: usize = 1 << 20;
 
 impl<T: Transport> Conn<'_, T> {
     pub(crate) fn shm_get(
@@ -32,21 +31,27 @@ impl<T: Transport> Conn<'_, T> {
         let deadline = self.shm_deadline(&items, deadline)?;
         let ctx = self.ctx;
         let store = &*ctx.store;
+        let copier = ctx
+            .shm
+            .as_deref()
+            .map(ShmShared::copier)
+            .ok_or(ProtoError::Malformed(
+                "a shared-memory transfer on a connection without the path",
+            ))?;
         let (mut st, vals) = self.lookup(items.iter().map(|(k, d)| (*k, d.len)));
         let chunks: u64 = vals.iter().map(|(_, _, v)| v.chunks() as u64).sum();
         let Some(_chunk_share) = self.take(chunks * super::get::PER_CHUNK, deadline) else {
             return Err(self.busy());
         };
-        // Every chunk after the first (checked by the lookup) is verified before any copy.
-        let later: Vec<(Arc<Value>, usize)> = vals
-            .iter()
-            .flat_map(|(_, _, v)| (1..v.chunks()).map(|c| (v.value.clone(), c)))
-            .collect();
-        let mut checks = ctx.verifier.check(later);
+        // Every chunk after the first (checked by the lookup) is verified before any copy, then
+        // the intact values are copied together (their pieces spread over the copy pool):
+        // nothing of a corrupt value reaches the client.
+        let values: Vec<&Value> = vals.iter().map(|(_, _, v)| &*v.value).collect();
+        let intact = copier.verify(&values);
         let mut failed = false;
-        let mut sent = 0u64;
-        for (i, key, v) in &vals {
-            let intact = (1..v.chunks()).fold(true, |ok, _| checks.next_ok() && ok);
+        let mut jobs = Vec::with_capacity(vals.len());
+        let mut copied = Vec::with_capacity(vals.len()); // (item, region) of each job
+        for ((i, key, v), intact) in vals.iter().zip(intact) {
             if !intact {
                 store.drop_corrupt(key, v);
                 st[*i] = (Status::Corrupt, 0);
@@ -61,33 +66,30 @@ impl<T: Transport> Conn<'_, T> {
                 failed = true;
                 continue;
             };
-            for off in (0..src.len()).step_by(COPY_PIECE) {
-                if Instant::now() > deadline {
-                    return Err(End::Stalled {
-                        reply_started: false,
-                    });
-                }
-                let n = COPY_PIECE.min(src.len() - off);
-                // SAFETY: `p` lies inside a live mapping of this connection with room for the
-                // value (checked by `place` against the descriptor, whose length the lookup
-                // matched), the value is pinned store memory, and they are different mappings.
-                let ok = unsafe {
-                    crate::fault_guard::copy(
-                        (p.addr + off) as *mut u8,
-                        src[off..].as_ptr(),
-                        n,
-                        p.mapping,
-                    )
-                };
-                if !ok {
-                    self.shm_fault(p.region);
-                    st[*i] = (Status::RemoteAccess, 0);
-                    failed = true;
-                    break;
-                }
-            }
-            if st[*i].0 == Status::Ok {
-                sent += src.len() as u64;
+            jobs.push(CopyJob {
+                dst: p.addr as *mut u8,
+                src: src.as_ptr(),
+                len: src.len(),
+                mapping: p.mapping,
+            });
+            copied.push((*i, p.region));
+        }
+        // SAFETY: each destination lies inside a live mapping of this connection with room for
+        // its value (checked by `place` against the descriptor, whose length the lookup matched),
+        // which `self.shm` keeps mapped until the call returns; each source is pinned store
+        // memory (`vals`); they are different mappings, and the regions' bytes are the client's
+        // to overlap (a client naming one place twice gets one of the values there).
+        let whole = unsafe { copier.copy(&jobs, deadline) }.map_err(|_| End::Stalled {
+            reply_started: false,
+        })?;
+        let mut sent = 0u64;
+        for ((i, region), (job, ok)) in copied.into_iter().zip(jobs.iter().zip(whole)) {
+            if ok {
+                sent += job.len as u64;
+            } else {
+                self.shm_fault(region);
+                st[i] = (Status::RemoteAccess, 0);
+                failed = true;
             }
         }
         store.metrics.bytes_out.fetch_add(sent, Ordering::Relaxed);
