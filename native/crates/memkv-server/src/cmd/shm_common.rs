@@ -1,29 +1,36 @@
-//! What the shared-memory PUT and GET (`shm_put`, `shm_get`) share: their deadline, and what a
-//! failed copy does to the connection.
+//! What the shared-memory PUT and GET (`shm_put`, `shm_get`) share: their deadline and copy
+//! pool, and what a failed copy does to the connection.
 
 use std::time::Instant;
 
 use memkv_proto::{Descriptor, ProtoError};
 
 use crate::conn::{Conn, End};
+use crate::shm::ShmShared;
+use crate::shm_copy::Copier;
 use crate::transport::Transport;
 
-impl<T: Transport> Conn<'_, T> {
-    /// The request's deadline: the frame allowance plus its bytes at the minimum rate, as over
-    /// TCP. A transfer on a connection without regions is a protocol error.
-    pub(super) fn shm_deadline(
+impl<'a, T: Transport> Conn<'a, T> {
+    /// The request's deadline (the frame allowance plus its bytes at the minimum rate, as over
+    /// TCP) and the copy pool its copies go through. A transfer on a connection without regions
+    /// is a protocol error.
+    pub(super) fn shm_start(
         &self,
         items: &[(&[u8], Descriptor)],
         deadline: Instant,
-    ) -> Result<Instant, End> {
-        if self.shm.is_empty() {
+    ) -> Result<(Instant, &'a Copier), End> {
+        let shared = self.ctx.shm.as_deref();
+        let Some(copier) = shared
+            .filter(|_| !self.shm.is_empty())
+            .map(ShmShared::copier)
+        else {
             return Err(ProtoError::Malformed("a shared-memory transfer before SHM_REGION").into());
-        }
+        };
         let total = items
             .iter()
             .try_fold(0u64, |a, (_, d)| a.checked_add(d.len))
             .ok_or(ProtoError::Malformed("descriptor lengths overflow"))?;
-        Ok(deadline.max(self.io.timing.deadline(total)))
+        Ok((deadline.max(self.io.timing.deadline(total)), copier))
     }
 
     /// A copy hit a page its file no longer has (the client shrank it): the region is dead.

@@ -11,11 +11,10 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use memkv_proto::{self as proto, Header, ProtoError, Status};
+use memkv_proto::{self as proto, Header, Status};
 
 use crate::conn::{Conn, End};
 use crate::lane::Value;
-use crate::shm::ShmShared;
 use crate::shm_copy::CopyJob;
 use crate::transport::Transport;
 
@@ -28,16 +27,9 @@ impl<T: Transport> Conn<'_, T> {
     ) -> Result<(), End> {
         let _share = self.key_share(body, 0, deadline)?;
         let items = proto::decode_descriptors(body)?;
-        let deadline = self.shm_deadline(&items, deadline)?;
+        let (deadline, copier) = self.shm_start(&items, deadline)?;
         let ctx = self.ctx;
         let store = &*ctx.store;
-        let copier = ctx
-            .shm
-            .as_deref()
-            .map(ShmShared::copier)
-            .ok_or(ProtoError::Malformed(
-                "a shared-memory transfer on a connection without the path",
-            ))?;
         let (mut st, vals) = self.lookup(items.iter().map(|(k, d)| (*k, d.len)));
         let chunks: u64 = vals.iter().map(|(_, _, v)| v.chunks() as u64).sum();
         let Some(_chunk_share) = self.take(chunks * super::get::PER_CHUNK, deadline) else {

@@ -10,11 +10,10 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use memkv_proto::{self as proto, Header, ProtoError, Status};
+use memkv_proto::{self as proto, Header, Status};
 
 use crate::conn::{Conn, End};
 use crate::lane::Reservation;
-use crate::shm::ShmShared;
 use crate::shm_copy::CopyJob;
 use crate::transport::Transport;
 
@@ -27,17 +26,9 @@ impl<T: Transport> Conn<'_, T> {
     ) -> Result<(), End> {
         let _share = self.key_share(body, 0, deadline)?;
         let items = proto::decode_descriptors(body)?;
-        let deadline = self.shm_deadline(&items, deadline)?;
+        let (deadline, copier) = self.shm_start(&items, deadline)?;
         let store = &*self.ctx.store;
         let mut st = vec![Status::Ok; items.len()];
-        let copier =
-            self.ctx
-                .shm
-                .as_deref()
-                .map(ShmShared::copier)
-                .ok_or(ProtoError::Malformed(
-                    "a shared-memory transfer on a connection without the path",
-                ))?;
         let mut done: Vec<(usize, Reservation<'_>, Option<u32>)> = Vec::with_capacity(items.len());
         let mut jobs = Vec::with_capacity(items.len());
         let mut failed = false;
