@@ -68,6 +68,7 @@ class Mover(Protocol):
     """Copies between a `PagedKV` and `slots` scratch slots of `slot_bytes` each."""
 
     medium: str
+    method: str  # how blocks move (memmove, kernel, dma), for the startup log
     io: Any  # the uint8 tensor the transport reads and writes (slot i at i * slot_bytes)
     scratch_reason: str  # where the host slots live and why (memfd, pinned), for the startup log
 
@@ -154,6 +155,7 @@ class HostMover:
     """KV tensors in host memory: memmove, done before the call returns."""
 
     medium = "host"
+    method = "memmove"
 
     def __init__(self, kv: PagedKV, slots: int, slot_bytes: int) -> None:
         import torch

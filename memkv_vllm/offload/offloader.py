@@ -157,7 +157,7 @@ class KVOffloader:
         return (f"value {self.kv.max_value_bytes} B, {self.n_slots} scratch slots of "
                 f"{self.slot_bytes} B ({self.n_slots * self.slot_bytes >> 20} MiB), "
                 f"medium {self.medium}{f' ({io})' if io else ''}, {self.mover.scratch_reason}, "
-                f"{self.batch_values} values per batch")
+                f"copies by {self.mover.method}, {self.batch_values} values per batch")
 
     # ----------------------------------------------------------------------------- submit
     def submit_store(self, job_id: int, entries: Sequence[Entry]) -> None:
