@@ -1,14 +1,15 @@
 """Hosts as separate network stacks: one Linux network namespace per host, joined to the root
 namespace (where the test's client runs) by a veth pair. The only addresses are the two ends of
 each pair (10.231.S.4i+1 in the root namespace, 10.231.S.4i+2 in the host's, a /30 each, S picked
-free per test run), so nothing here can reach another machine. `join()` links two hosts directly
-(a pair of their own, the next /30), for hosts that talk to each other, such as the nodes of one
-vLLM engine.
+free per test run) and a hub's address (below), so nothing here can reach another machine.
+`join()` links two hosts directly (a pair of their own, the next /30), for hosts that talk to each
+other, such as the nodes of one vLLM engine.
 
 Faults are made with the kernel's own tools: `blackhole()` adds a blackhole route in the host's
 namespace towards the client, so the server's packets (SYN-ACKs, replies, ACKs) vanish without an
 RST and the client's connects and reads hang until its deadlines, as in a partition; `heal()`
-removes it. Needs root and iproute2 (`ip netns`); `Hosts.available()` says why not.
+removes it. `hub()` gives a server one address that several hosts reach over pairs of their
+own. Needs root and iproute2 (`ip netns`); `Hosts.available()` says why not.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 from memkv_procs import MemKVServer
@@ -68,13 +70,17 @@ class Host:
     def address(self) -> str:
         return f"{self.addr}:{PORT}"
 
-    def blackhole(self) -> None:
-        """Drops, silently, every packet this host sends to the client's end."""
-        _ip("netns", "exec", self.ns, "ip", "route", "add", "blackhole", f"{self.peer}/32")
+    def blackhole(self, *dests: str) -> None:
+        """Drops, silently, every packet this host sends to `dests` (by default the client's
+        end). The route sits with the sender of the packets that vanish: in the host that sends
+        to them, a blackhole route fails connects at once (EINVAL), which no partition does."""
+        for dest in dests or (self.peer,):
+            _ip("netns", "exec", self.ns, "ip", "route", "add", "blackhole", f"{dest}/32")
         self.blackholed = True
 
-    def heal(self) -> None:
-        _ip("netns", "exec", self.ns, "ip", "route", "del", "blackhole", f"{self.peer}/32")
+    def heal(self, *dests: str) -> None:
+        for dest in dests or (self.peer,):
+            _ip("netns", "exec", self.ns, "ip", "route", "del", "blackhole", f"{dest}/32")
         self.blackholed = False
 
 
@@ -157,6 +163,21 @@ class Hosts:
             _ip("netns", "exec", host.ns, "ip", "addr", "add", f"{addr}/30", "dev", link)
             _ip("netns", "exec", host.ns, "ip", "link", "set", link, "up")
         return link, *ends
+
+    def hub(self, center: Host, spokes: Sequence[Host]) -> tuple[str, list[str]]:
+        """Links each of `spokes` to `center` by a pair of its own and gives `center` one
+        address (a /32 on its loopback, from a /30 of its own) that every spoke reaches, routed
+        over its pair: a server that hosts on separate links all name alike, as the nodes of one
+        engine must (the same `servers`). Returns that address and the spokes' ends of their
+        pairs (where `center`'s replies go: what `center.blackhole` cuts off)."""
+        addr = f"10.231.{self.subnet}.{4 * self._slot() + 1}"
+        _ip("netns", "exec", center.ns, "ip", "addr", "add", f"{addr}/32", "dev", "lo")
+        ends = []
+        for spoke in spokes:
+            _, there, here = self.join(center, spoke)
+            _ip("netns", "exec", spoke.ns, "ip", "route", "add", f"{addr}/32", "via", there)
+            ends.append(here)
+        return addr, ends
 
     def close(self) -> None:
         for h in self.hosts:

@@ -4,10 +4,12 @@ root namespace reaches only through their veth pairs, removed without a trace.""
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import numpy as np
 import pytest
-from netns_hosts import Hosts, links, namespaces
+from memkv_procs import MemKVServer
+from netns_hosts import PORT, Hosts, links, namespaces
 
 from memkv_vllm.core.client import MemKVClient, Status
 from memkv_vllm.core.config import load_config
@@ -50,3 +52,32 @@ def test_close_removes_every_namespace_and_link() -> None:
     assert set(namespaces()) == before_ns
     assert set(links()) == before_links
     assert made[0].server is None
+
+
+def _connect_from(host, addr: str, port: int) -> str:
+    """What a TCP connect from inside `host` to addr:port does within 1 s: ok, timeout or the
+    error's name."""
+    probe = ("import socket\n"
+             "try:\n"
+             f"    socket.create_connection(({addr!r}, {port}), 1).close(); print('ok')\n"
+             "except TimeoutError: print('timeout')\n"
+             "except OSError as e: print(type(e).__name__, e.errno)\n")
+    return subprocess.run(host.cmd(sys.executable, "-c", probe), capture_output=True,
+                          text=True, check=True, timeout=30).stdout.strip()
+
+
+def test_a_hub_address_reaches_every_spoke_and_its_blackhole_is_silence(net_hosts: Hosts
+                                                                        ) -> None:
+    center, a, b = net_hosts.add(), net_hosts.add(), net_hosts.add()
+    addr, ends = net_hosts.hub(center, [a, b])
+    center.server = MemKVServer(memory="16M", lanes=1, listen=f"0.0.0.0:{PORT}",
+                                wrapper=center.cmd()).start()
+    center.server.address = center.address  # the root namespace's way in
+    assert [_connect_from(h, addr, PORT) for h in (a, b)] == ["ok", "ok"]  # one name for both
+    center.blackhole(*ends)
+    # The spokes' connects hang (the SYN-ACKs vanish), with no error; the root namespace, whose
+    # end is not cut off, still reaches the server.
+    assert [_connect_from(h, addr, PORT) for h in (a, b)] == ["timeout", "timeout"]
+    assert center.server.stats()["items"] == 0
+    center.heal(*ends)
+    assert [_connect_from(h, addr, PORT) for h in (a, b)] == ["ok", "ok"]

@@ -100,3 +100,18 @@ def test_vllms_own_tiering_spec_keeps_its_pool_name() -> None:
     finally:
         worker_region.cleanup()
     assert not os.path.exists(path)  # which removes it, as vLLM does
+
+
+def test_a_worker_refuses_an_engine_across_nodes(spec, monkeypatch) -> None:
+    """Where vLLM counts the engine's workers on several nodes (`--nnodes`, or ranks that share
+    no /dev/shm), a worker refuses before it maps a pool: the other nodes' pool files reach no
+    tier (tests/e2e/test_multinode_e2e.py runs it on two nodes)."""
+    from vllm.distributed import parallel_state
+
+    kv = _kv_caches(spec.cpu_page_size_per_worker // len(LAYERS))
+    assert api().node_count() is None  # no distributed setup in this process
+    monkeypatch.setattr(parallel_state, "_NODE_COUNT", 2)
+    assert api().node_count() == 2
+    with pytest.raises(RuntimeError, match="this engine's workers run on 2 nodes"):
+        spec.get_worker(kv)
+    assert not os.path.exists(_pool_path(spec))

@@ -389,6 +389,18 @@ class VllmAdapter(ABC):
 
         return bool(current_platform.is_cpu())
 
+    def node_count(self) -> int | None:
+        """How many nodes vLLM counts this worker's engine on: its `--nnodes`, else the hosts
+        that its ranks found by probing for each other's shared memory (vLLM's own count, also
+        what turns its CPU shared-memory all-reduce off). None outside a worker's distributed
+        setup (the scheduler's process)."""
+        from vllm.distributed import parallel_state
+
+        try:
+            return int(parallel_state.get_node_count())
+        except AssertionError:  # "distributed environment is not initialized"
+            return None
+
     def tiering_spec_class(self) -> type:
         """vLLM's TieringOffloadingSpec (the class the CPU-platform spec derives from)."""
         from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
