@@ -396,8 +396,11 @@ class VllmAdapter(ABC):
         setup (the scheduler's process)."""
         from vllm.distributed import parallel_state
 
+        count = getattr(parallel_state, "get_node_count", None)
+        if count is None:  # a generation without the count: nothing to check against
+            return None
         try:
-            return int(parallel_state.get_node_count())
+            return int(count())
         except AssertionError:  # "distributed environment is not initialized"
             return None
 
