@@ -14,7 +14,6 @@
 //! that shrinks its file under a piece fails that piece's job whichever thread copied it; the
 //! request's deadline is checked before each piece, as before.
 
-use std::hash::Hasher;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -144,16 +143,15 @@ impl Copier {
         corrupt.iter().map(|c| !c.load(Ordering::Relaxed)).collect()
     }
 
-    /// The XXH3 checksum of each `CHECKSUM_CHUNK` of `data`, in order.
+    /// `memkv_proto::chunk_checksums(data)`, its chunks hashed over the pool when `data` is big.
     pub fn checksums(&self, data: &[u8]) -> Vec<u64> {
-        let sum = |c: &[u8]| {
-            let mut h = memkv_proto::checksum_hasher();
-            h.write(c);
-            h.finish()
-        };
         match self.pool_for(data.len()) {
-            Some(pool) => pool.install(|| data.par_chunks(CHECKSUM_CHUNK).map(sum).collect()),
-            None => data.chunks(CHECKSUM_CHUNK).map(sum).collect(),
+            Some(pool) => pool.install(|| {
+                data.par_chunks(CHECKSUM_CHUNK)
+                    .map(memkv_proto::checksum)
+                    .collect()
+            }),
+            None => memkv_proto::chunk_checksums(data),
         }
     }
 }
@@ -213,9 +211,11 @@ mod tests {
         let data: Vec<u8> = (0..(5 * COPY_PIECE + 999))
             .map(|b| (b % 251) as u8)
             .collect();
-        let serial = Copier::new(1).checksums(&data);
-        assert_eq!(Copier::new(4).checksums(&data), serial);
-        assert_eq!(serial.len(), data.len().div_ceil(CHECKSUM_CHUNK));
-        assert_eq!(serial[0], memkv_proto::checksum(&data[..CHECKSUM_CHUNK]));
+        let want = memkv_proto::chunk_checksums(&data);
+        assert_eq!(want.len(), data.len().div_ceil(CHECKSUM_CHUNK));
+        assert_eq!(Copier::new(4).checksums(&data), want);
+        assert_eq!(Copier::new(1).checksums(&data), want);
+        // An empty value has one checksum, as every other path stores it.
+        assert_eq!(Copier::new(4).checksums(&[]), [memkv_proto::checksum(&[])]);
     }
 }

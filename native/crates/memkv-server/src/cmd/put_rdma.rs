@@ -2,11 +2,10 @@
 //! reservation, and checksums and commits it only after all its reads completed; one whose read
 //! failed is dropped (REMOTE_ACCESS) and nothing of it is visible.
 
-use std::hash::Hasher;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use memkv_proto::{self as proto, Header, Status, CHECKSUM_CHUNK};
+use memkv_proto::{self as proto, Header, Status};
 
 use crate::conn::{Conn, End};
 use crate::lane::Reservation;
@@ -56,18 +55,7 @@ impl<T: Transport> Conn<'_, T> {
                 failed = true;
                 continue;
             }
-            let sums: Vec<u64> = if d.len == 0 {
-                vec![proto::checksum(&[])]
-            } else {
-                r.bytes_mut()
-                    .chunks(CHECKSUM_CHUNK)
-                    .map(|c| {
-                        let mut hs = proto::checksum_hasher();
-                        hs.write(c);
-                        hs.finish()
-                    })
-                    .collect()
-            };
+            let sums = proto::chunk_checksums(r.bytes_mut());
             store.commit(key, r, sums);
             store.metrics.puts.fetch_add(1, Ordering::Relaxed);
             store.metrics.bytes_in.fetch_add(d.len, Ordering::Relaxed);

@@ -94,11 +94,7 @@ impl<T: Transport> Conn<'_, T> {
         self.count_puts(intact.len() as u64);
         for (i, mut r) in intact {
             let (key, d) = &items[i];
-            let sums: Vec<u64> = if d.len == 0 {
-                vec![proto::checksum(&[])]
-            } else {
-                copier.checksums(r.bytes_mut())
-            };
+            let sums = copier.checksums(r.bytes_mut());
             store.commit(key, r, sums);
             store.metrics.puts.fetch_add(1, Ordering::Relaxed);
             bytes += d.len;
