@@ -63,9 +63,9 @@ pub struct ShmConfig {
     pub copy_threads: usize,
 }
 
-/// The copy pool's default size: one server thread copies 5-6 GB/s, so eight cover a PCIe 5
-/// GPU's 55 GB/s with room for the host's memory bandwidth, and a small host keeps some cores
-/// for the engines beside it.
+/// The copy pool's default size: one server thread copies 5-6 GB/s, and on the H200 host eight
+/// already reached its copy bandwidth from DRAM (about 23 GB/s), so more would only take cores
+/// from the engines beside the server.
 pub fn default_copy_threads() -> usize {
     std::thread::available_parallelism()
         .map_or(1, |n| n.get())
