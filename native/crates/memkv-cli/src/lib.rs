@@ -130,6 +130,13 @@ struct ServeArgs {
     /// CPUs, at most 8].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=256))]
     shm_copy_threads: Option<u64>,
+    /// Keep the values in shared memory (one sealed memfd per lane) that authenticated
+    /// clients on the same-host socket may map read-only, so that a GPU copies a value
+    /// straight out of the server's pages (direct mode's loads) instead of the server copying
+    /// it into the client's buffer first. Every such client can then read every value in the
+    /// server: for a host whose engines are one tenant. Refused with --tenants of more than one.
+    #[arg(long, env = "MEMKV_SHM_SHARE_VALUES")]
+    shm_share_values: bool,
     #[command(flatten)]
     rdma: RdmaArgs,
     #[command(flatten)]
@@ -210,6 +217,9 @@ impl TlsArgs {
 fn shm_config(a: &ServeArgs) -> Result<Option<memkv_server::shm::ShmConfig>, String> {
     use memkv_server::shm::{ShmConfig, ShmSocket};
     let socket = match a.shm_socket.as_str() {
+        "off" if a.shm_share_values => {
+            return Err("--shm-share-values needs the same-host socket (--shm-socket is off)".into())
+        }
         "off" => return Ok(None),
         "auto" | "" => ShmSocket::Default,
         s => match s.strip_prefix('@') {
@@ -226,6 +236,7 @@ fn shm_config(a: &ServeArgs) -> Result<Option<memkv_server::shm::ShmConfig>, Str
         copy_threads: a
             .shm_copy_threads
             .map_or_else(memkv_server::shm::default_copy_threads, |n| n as usize),
+        share_values: a.shm_share_values,
     }))
 }
 

@@ -280,6 +280,50 @@ impl Conn {
 }
 
 impl Conn {
+    /// SHM_VALUES: lane `lane`'s length and a read-only descriptor of its memory, from a server
+    /// sharing its value memory; `Ok(Err(why))` when it does not.
+    pub fn shm_values(
+        &mut self,
+        lane: u32,
+    ) -> Result<Result<(proto::ShmValuesReply, std::os::fd::OwnedFd), String>, ConnError> {
+        let (_, rb) = self.call(Opcode::ShmValues, &proto::encode_shm_values(lane), &[])?;
+        let rep = proto::decode_shm_values_reply(&rb)?;
+        // A descriptor came with the reply's bytes exactly when it was accepted.
+        let fd = self.link.take_fd();
+        Ok(match (rep.refused.clone(), fd) {
+            (Some(why), _) => Err(why),
+            (None, None) => Err("the server's reply carried no descriptor".into()),
+            (None, Some(fd)) => Ok((rep, fd)),
+        })
+    }
+
+    /// GET_MAPPED: the pin and, per key, where its value lies in the server's lanes.
+    pub fn get_mapped(
+        &mut self,
+        keys: &[&[u8]],
+        lens: &[u64],
+    ) -> Result<(u64, Vec<proto::MappedValue>), ConnError> {
+        let (_, rb) = self.call(Opcode::GetMapped, &proto::encode_key_lens(keys, lens), &[])?;
+        let (pin, vals) = proto::decode_get_mapped_reply(&rb, keys.len())?;
+        if vals
+            .iter()
+            .zip(lens)
+            .any(|(v, n)| v.status == proto::Status::Ok && v.len != *n)
+        {
+            return Err(proto::ProtoError::Malformed("GET_MAPPED length differs from request").into());
+        }
+        Ok((pin, vals))
+    }
+
+    /// SHM_RELEASE: whether the server still held the pin set.
+    pub fn shm_release(&mut self, pin: u64) -> Result<bool, ConnError> {
+        let (_, rb) = self.call(Opcode::ShmRelease, &proto::encode_shm_release(pin), &[])?;
+        match rb[..] {
+            [held] => Ok(held == 1),
+            _ => Err(proto::ProtoError::Malformed("SHM_RELEASE reply").into()),
+        }
+    }
+
     /// Sends a one-sided side's setup request (with its descriptor, if any) and returns the
     /// server's answer: accepted, and why not.
     fn setup(&mut self, s: Setup) -> Result<(bool, String), ConnError> {

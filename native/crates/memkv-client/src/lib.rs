@@ -16,6 +16,7 @@
 pub mod buf;
 pub mod conn;
 pub mod exec;
+pub mod mapped;
 pub mod placement;
 pub mod pool;
 pub mod rdma;
@@ -230,6 +231,8 @@ pub struct Client {
     rdma_provider: Option<String>,
     /// Registered memory the shared-memory transport can hand servers, when it may be used.
     shm_regions: Option<Arc<shm_regions::Regions>>,
+    /// Reads out of same-host servers' memory, once enabled (`enable_mapped_reads`).
+    mapped: std::sync::OnceLock<mapped::MappedReads>,
 }
 
 impl Client {
@@ -357,6 +360,7 @@ impl Client {
             registrations,
             rdma_provider,
             shm_regions,
+            mapped: std::sync::OnceLock::new(),
         }))
     }
 
@@ -726,6 +730,59 @@ impl Client {
         for (idx, r) in results {
             idx.iter().zip(r).for_each(|(&i, s)| out[i] = s);
         }
+    }
+
+    /// Turns mapped reads on (`crate::mapped`): every server's lanes are mapped now and handed
+    /// to `hook`. One result per server; a server that does not share its memory (or is not on
+    /// this host, or is down) says why, and its keys' mapped reads answer UNAVAILABLE. Only the
+    /// first call's hook counts.
+    pub fn enable_mapped_reads(&self, hook: Arc<dyn mapped::MapHook>) -> Vec<Result<(), String>> {
+        let m = self
+            .mapped
+            .get_or_init(|| mapped::MappedReads::new(self.pools.len(), hook));
+        m.open_all(&self.pools, self.deadline())
+    }
+
+    /// Where each key's value lies in this process's mappings of its server's memory (Ok and
+    /// the address, else the status and 0), pinned there until `release_mapped` of the
+    /// returned ticket (0: nothing pinned). `lens` are the expected lengths, as for GET. Keys
+    /// answer UNAVAILABLE before `enable_mapped_reads`.
+    pub fn get_mapped_by(
+        &self,
+        keys: &[Vec<u8>],
+        lens: &[u64],
+        deadline: Instant,
+    ) -> (Vec<(Status, usize)>, u64) {
+        assert_eq!(keys.len(), lens.len(), "one length per key");
+        let Some(m) = self.mapped.get() else {
+            return (vec![(Status::Unavailable, 0); keys.len()], 0);
+        };
+        let mut by_server: Vec<Vec<usize>> = vec![Vec::new(); self.pools.len()];
+        for (i, k) in keys.iter().enumerate() {
+            if memkv_proto::key_ok(k) {
+                by_server[self.server_of(k)].push(i);
+            }
+        }
+        let groups = by_server
+            .into_iter()
+            .enumerate()
+            .filter(|(_, g)| !g.is_empty())
+            .flat_map(|(s, g)| {
+                frames(&g, keys, Frame::KeyLens)
+                    .into_iter()
+                    .map(move |f| (s, f.to_vec()))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        m.get(&self.pools, keys, lens, groups, deadline)
+    }
+
+    /// Ends a `get_mapped_by`'s pins: true when the servers held every value until now, so
+    /// what was read out of them is what was stored; false (read them as failed) otherwise.
+    pub fn release_mapped(&self, ticket: u64) -> bool {
+        self.mapped
+            .get()
+            .is_some_and(|m| m.release(&self.pools, ticket, self.deadline()))
     }
 
     /// Runs `job` on the I/O threads; the returned Op completes with its result.

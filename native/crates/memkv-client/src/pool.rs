@@ -168,6 +168,41 @@ impl Pool {
         }
     }
 
+    /// A connection of its own for a caller that keeps it (mapped reads hold their pins on
+    /// one connection), outside the pool's count; fails at once while the server is down.
+    /// Its failures go to `fail_kept`.
+    pub fn connect_kept(&self, deadline: Instant) -> Result<Conn, PoolError> {
+        if let Some(t) = self.state.lock().unwrap().down_until {
+            let now = Instant::now();
+            if now < t {
+                return Err(PoolError::Down {
+                    addr: self.addr.clone(),
+                    left_ms: (t - now).as_millis() as u64,
+                    why: String::new(),
+                });
+            }
+        }
+        let connect_by = deadline.min(Instant::now() + self.cfg.connect_timeout);
+        match Conn::connect(
+            &*self.cfg.transport,
+            &self.addr,
+            self.cfg.auth_key.as_deref(),
+            connect_by,
+        ) {
+            Ok(mut c) => {
+                c.set_deadline(deadline);
+                Ok(c)
+            }
+            Err(err) => Err(self.fail_kept(err)),
+        }
+    }
+
+    /// `fail` for a connection of `connect_kept`, which the pool does not count.
+    pub fn fail_kept(&self, err: ConnError) -> PoolError {
+        self.state.lock().unwrap().open += 1;
+        self.fail(err)
+    }
+
     /// Returns a connection whose last request succeeded; the server answers, so it is up.
     pub fn release(&self, conn: Conn) {
         let mut st = self.state.lock().unwrap();

@@ -11,10 +11,10 @@
 //! client's deadline may finish the one piece (1 MiB) it was copying; it checks its deadline
 //! before every piece and after a PUT's copies, which then commits nothing.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
 use std::sync::Arc;
@@ -103,6 +103,7 @@ impl Transport for Shm {
                             mapped: HashMap::new(),
                         }),
                         fds: Vec::new(),
+                        received: VecDeque::new(),
                     }))
                 }
                 Err(e) => last = e,
@@ -246,7 +247,13 @@ pub struct ShmLink {
     side: Option<ShmSide>,
     /// Descriptors to send with the next bytes written.
     fds: Vec<Arc<OwnedFd>>,
+    /// Descriptors the server passed (SHM_VALUES replies), at most `MAX_RECEIVED_FDS`.
+    received: VecDeque<OwnedFd>,
 }
+
+/// Received descriptors held untaken at most (one SHM_VALUES reply carries one); more are
+/// closed, so a misbehaving server cannot make the client hold descriptors.
+const MAX_RECEIVED_FDS: usize = 2;
 
 impl ShmLink {
     /// sendmsg of `bufs` with the pending descriptors (SCM_RIGHTS).
@@ -285,9 +292,60 @@ impl ShmLink {
     }
 }
 
+impl ShmLink {
+    /// recvmsg into `buf`, keeping the descriptors that came with the bytes.
+    fn recv(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let mut cmsg = [0u64; 8];
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        // SAFETY: msghdr is plain data; zeroed is a valid empty header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cmsg.as_mut_ptr().cast();
+        // SAFETY: CMSG_SPACE only computes a size.
+        msg.msg_controllen =
+            unsafe { libc::CMSG_SPACE((MAX_RECEIVED_FDS * size_of::<libc::c_int>()) as u32) }
+                as usize;
+        // SAFETY: msg points at `iov` (over `buf`) and `cmsg`, both live for the call.
+        let n = unsafe {
+            libc::recvmsg(
+                self.stream.stream().as_raw_fd(),
+                &mut msg,
+                libc::MSG_CMSG_CLOEXEC,
+            )
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the CMSG_* walk stays inside the control buffer the kernel filled.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&msg);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(c).cast::<libc::c_int>();
+                    let count =
+                        ((*c).cmsg_len - libc::CMSG_LEN(0) as usize) / size_of::<libc::c_int>();
+                    for i in 0..count {
+                        let fd = OwnedFd::from_raw_fd(data.add(i).read_unaligned());
+                        if self.received.len() < MAX_RECEIVED_FDS {
+                            self.received.push_back(fd);
+                        } // else dropped: closed
+                    }
+                }
+                c = libc::CMSG_NXTHDR(&msg, c);
+            }
+        }
+        Ok(n as usize)
+    }
+}
+
 impl Read for ShmLink {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.stream.read(buf)
+        self.stream.arm(true)?;
+        timeout_as_deadline(self.recv(buf))
     }
 }
 
@@ -328,6 +386,10 @@ impl Link for ShmLink {
     fn pass_fd(&mut self, fd: Arc<OwnedFd>) -> io::Result<()> {
         self.fds.push(fd);
         Ok(())
+    }
+
+    fn take_fd(&mut self) -> Option<OwnedFd> {
+        self.received.pop_front()
     }
 }
 

@@ -37,6 +37,11 @@ pub trait Link: Read + Write + Send {
             "this link cannot pass file descriptors",
         ))
     }
+    /// The oldest descriptor the server passed with its bytes and nobody took yet; only a
+    /// unix socket carries them.
+    fn take_fd(&mut self) -> Option<OwnedFd> {
+        None
+    }
 }
 
 /// A request a one-sided side needs answered before it can go on: its hello when the

@@ -6,6 +6,8 @@
 //! KV-cache values are near-uniform in size per model, so first fit with coalescing fragments little.
 
 use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
 /// Allocation granularity: keeps values cache-line aligned.
@@ -19,6 +21,8 @@ pub fn footprint(len: u64) -> u64 {
 pub struct Region {
     base: *mut u8,
     len: usize,
+    /// The memfd behind a shared region (`new_shared`), sealed against resizing.
+    fd: Option<OwnedFd>,
 }
 
 // SAFETY: the mapping lives as long as the Region and is only accessed through spans handed out
@@ -30,20 +34,58 @@ impl Region {
     /// Maps `len` bytes of private anonymous memory, pre-faulted, with transparent huge pages
     /// requested where the kernel supports them.
     pub fn new(len: usize) -> std::io::Result<Region> {
+        Region::map(len, None)
+    }
+
+    /// `new`, over a memfd named `name` that same-host clients may map read-only
+    /// (`reader_fd`): the value memory of `--shm-share-values`. The file is sealed so that no
+    /// holder of a descriptor can grow or shrink it (a shrink would SIGBUS the server's
+    /// copies), and the descriptors handed out are opened read-only.
+    pub fn new_shared(len: usize, name: &str) -> std::io::Result<Region> {
+        let cname = CString::new(name).map_err(std::io::Error::other)?;
+        // SAFETY: memfd_create with a valid C string; the result is checked.
+        let fd = unsafe {
+            libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a descriptor memfd_create just returned, owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: ftruncate and fcntl on our own memfd.
+        unsafe {
+            if libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+            if libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        Region::map(len, Some(fd))
+    }
+
+    fn map(len: usize, fd: Option<OwnedFd>) -> std::io::Result<Region> {
         if len == 0 {
             return Ok(Region {
                 base: std::ptr::NonNull::dangling().as_ptr(),
                 len: 0,
+                fd,
             });
         }
-        // SAFETY: a fresh anonymous mapping; arguments are valid and the result is checked.
+        let (flags, raw) = match &fd {
+            Some(f) => (libc::MAP_SHARED, f.as_raw_fd()),
+            None => (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1),
+        };
+        // SAFETY: a fresh mapping (anonymous, or of our own memfd of `len` bytes); arguments
+        // are valid and the result is checked.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
+                flags,
+                raw,
                 0,
             )
         };
@@ -65,11 +107,33 @@ impl Region {
         Ok(Region {
             base: p as *mut u8,
             len,
+            fd,
         })
     }
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// A new read-only descriptor of a shared region's memfd (None for a private region):
+    /// what a same-host client maps. Reopened through /proc so that the client's descriptor
+    /// cannot write, map writable or punch holes, whatever it does with it.
+    pub fn reader_fd(&self) -> Option<std::io::Result<OwnedFd>> {
+        let fd = self.fd.as_ref()?;
+        let path = format!("/proc/self/fd/{}\0", fd.as_raw_fd());
+        // SAFETY: open of a NUL-terminated path; the result is checked.
+        let r = unsafe {
+            libc::open(
+                path.as_ptr().cast(),
+                libc::O_RDONLY | libc::O_CLOEXEC,
+            )
+        };
+        Some(if r < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            // SAFETY: a descriptor open just returned.
+            Ok(unsafe { OwnedFd::from_raw_fd(r) })
+        })
     }
 
     /// The whole region, for an owner that uses it as one buffer (the bench's TCP ceiling).
@@ -107,7 +171,16 @@ struct FreeList {
 
 impl LaneMemory {
     pub fn new(len: usize) -> std::io::Result<Arc<LaneMemory>> {
-        let region = Region::new(len)?;
+        LaneMemory::over(Region::new(len)?)
+    }
+
+    /// A lane's memory that same-host clients may map read-only (`Region::new_shared`).
+    pub fn new_shared(len: usize, name: &str) -> std::io::Result<Arc<LaneMemory>> {
+        LaneMemory::over(Region::new_shared(len, name)?)
+    }
+
+    fn over(region: Region) -> std::io::Result<Arc<LaneMemory>> {
+        let len = region.len();
         let mut spans = BTreeMap::new();
         let usable = (len as u64) / ALIGN * ALIGN;
         if usable > 0 {
@@ -130,6 +203,11 @@ impl LaneMemory {
 
     pub fn used(&self) -> u64 {
         self.free.lock().unwrap().used
+    }
+
+    /// A read-only descriptor of the memory, when it is shared (`new_shared`).
+    pub fn reader_fd(&self) -> Option<std::io::Result<OwnedFd>> {
+        self.region.reader_fd()
     }
 
     /// First-fit allocation of `len` bytes (rounded up to ALIGN). None when no free span fits.
@@ -203,6 +281,11 @@ impl Span {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Where the span starts in its lane's memory.
+    pub fn offset(&self) -> u64 {
+        self.off
     }
 
     /// The span's memory including its rounding past `len`: `cap` bytes, for a direct read

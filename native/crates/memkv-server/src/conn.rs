@@ -21,6 +21,7 @@ use memkv_proto::{self as proto, ErrorCode, Header, HelloReply, Opcode, ProtoErr
 
 use crate::frame::{FrameIo, ReadEnd, Timing};
 use crate::limits::{BudgetShare, ByteBudget, Permit, WarnLimiter};
+use crate::mapped::MappedPins;
 use crate::rdma::{RdmaPeer, ServerFabric};
 use crate::shm::{ShmPeer, ShmShared};
 use crate::store::Store;
@@ -107,6 +108,8 @@ pub(crate) struct Conn<'a, T: Transport> {
     pub(crate) rdma: Option<RdmaPeer>,
     /// The client regions this connection mapped (SHM_REGION).
     pub(crate) shm: ShmPeer,
+    /// Values this connection's client reads out of the server's memory (GET_MAPPED).
+    pub(crate) pins: MappedPins<'a>,
 }
 
 /// Serves one connection until it closes; `permit` is its slot, freed when this returns.
@@ -123,6 +126,7 @@ pub fn serve<T: Transport>(t: T, ctx: &ConnCtx, permit: Permit) {
         handshake_until: Instant::now() + ctx.handshake_timeout,
         rdma: None,
         shm: ShmPeer::default(),
+        pins: MappedPins::default(),
     };
     let m = &ctx.store.metrics;
     let (code, msg, kind) = match c.run() {
@@ -375,6 +379,9 @@ impl<'a, T: Transport> Conn<'a, T> {
                 self.rdma_transfer(h, body, deadline)
             }
             Opcode::ShmRegion => self.shm_region(h, body),
+            Opcode::ShmValues => self.shm_values(h, body),
+            Opcode::GetMapped => self.get_mapped(h, body, deadline),
+            Opcode::ShmRelease => self.shm_release(h, body),
             Opcode::Put if h.flags & proto::FLAG_SHM != 0 => self.shm_put(h, body, deadline),
             Opcode::Get if h.flags & proto::FLAG_SHM != 0 => self.shm_get(h, body, deadline),
             Opcode::Put => self.put(h, body, deadline),

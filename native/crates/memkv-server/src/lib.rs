@@ -17,6 +17,7 @@ mod fault_guard;
 pub mod frame;
 pub mod lane;
 pub mod limits;
+mod mapped;
 pub mod metrics;
 pub mod metrics_http;
 pub mod rdma;

@@ -156,8 +156,22 @@ impl Server {
                 "--disk-queue must be smaller than --memory",
             )
         })?;
-        let mut store =
-            Store::with_tenants(lane_memory, cfg.lanes, cfg.max_leased_fraction, tenants).map_err(
+        let share_values = cfg.shm.as_ref().is_some_and(|c| c.share_values);
+        if share_values && tenants.len() > 1 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "--shm-share-values and --tenants: a client that maps the shared value memory \
+                 reads every value in it, whatever its tenant's prefix; give one",
+            ));
+        }
+        let mut store = Store::with_tenants(
+            lane_memory,
+            cfg.lanes,
+            cfg.max_leased_fraction,
+            tenants,
+            share_values,
+        )
+        .map_err(
                 |e| {
                     io::Error::new(
                         e.kind(),
@@ -268,6 +282,7 @@ impl Server {
             buffer_budget_bytes = budget,
             metrics = %metrics_addr.map_or("off".to_string(), |a| a.to_string()),
             shm_socket = shm_socket.as_deref().unwrap_or("off"),
+            shm_share_values = share_values,
             "memkv serving"
         );
         Ok(Server {

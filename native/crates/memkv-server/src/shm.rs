@@ -61,6 +61,10 @@ pub struct ShmConfig {
     /// Threads that copy large requests' values (`crate::shm_copy`); 1: each request's copies
     /// on its connection's thread.
     pub copy_threads: usize,
+    /// The value memory is one sealed memfd per lane, which authenticated clients on the
+    /// socket may map read-only (SHM_VALUES) and read GET_MAPPED values out of themselves:
+    /// every such client can read every value. Off by default; refused with `--tenants`.
+    pub share_values: bool,
 }
 
 /// The copy pool's default size: one server thread copies 5-6 GB/s, and on the H200 host eight
@@ -80,6 +84,7 @@ impl Default for ShmConfig {
             max_region_bytes: 1 << 40,
             max_mapped_bytes: 16 << 40,
             copy_threads: default_copy_threads(),
+            share_values: false,
         }
     }
 }
@@ -136,6 +141,11 @@ impl ShmShared {
             self.populate_later(Arc::downgrade(&m));
         }
         Ok(m)
+    }
+
+    /// Whether the value memory is shared with clients (`ShmConfig::share_values`).
+    pub fn shares_values(&self) -> bool {
+        self.cfg.share_values
     }
 
     /// The copy pool every connection's transfers share.

@@ -7,11 +7,13 @@ use memkv_proto::Status;
 
 use crate::disk::stats::DramCounters;
 use crate::disk::DiskTier;
+use crate::arena::LaneMemory;
 use crate::lane::{Lane, LaneStats, Pinned, Reservation, Value};
 use crate::metrics::Metrics;
 use crate::tenants::usage::Usage;
 use crate::tenants::{TenantId, Tenants};
 use std::sync::atomic::Ordering::Relaxed;
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 pub struct Store {
@@ -30,21 +32,36 @@ impl Store {
     /// Splits `memory` bytes evenly over `lanes` lanes, reserving and pre-faulting all of it now.
     /// Each lane's share bounds its values and its index together (see `lane::index_charge`).
     pub fn new(memory: u64, lanes: usize, max_leased_fraction: f64) -> std::io::Result<Store> {
-        Store::with_tenants(memory, lanes, max_leased_fraction, Tenants::implicit(None))
+        Store::with_tenants(
+            memory,
+            lanes,
+            max_leased_fraction,
+            Tenants::implicit(None),
+            false,
+        )
     }
 
-    /// `new`, with the values charged to `tenants`' quotas.
+    /// `new`, with the values charged to `tenants`' quotas; with `share_values`, each lane's
+    /// memory is a sealed memfd that same-host clients may map read-only (`lane_reader_fd`).
     pub fn with_tenants(
         memory: u64,
         lanes: usize,
         max_leased_fraction: f64,
         tenants: Tenants,
+        share_values: bool,
     ) -> std::io::Result<Store> {
         let lanes = lanes.max(1);
         let per_lane = (memory / lanes as u64) as usize;
         let usage = Arc::new(Usage::new(tenants.iter().map(|t| t.quota)));
         let lanes = (0..lanes)
-            .map(|_| Lane::with_usage(per_lane, max_leased_fraction, usage.clone()))
+            .map(|i| {
+                let mem = if share_values {
+                    LaneMemory::new_shared(per_lane, &format!("memkv-lane-{i}"))?
+                } else {
+                    LaneMemory::new(per_lane)?
+                };
+                Ok(Lane::over(mem, max_leased_fraction, usage.clone()))
+            })
             .collect::<std::io::Result<Vec<_>>>()?;
         // Announced for the longest key, so a value under the limit fits under any key.
         let max_value_len = lanes[0].max_value_len(memkv_proto::MAX_KEY_LEN);
@@ -56,6 +73,22 @@ impl Store {
             usage,
             disk: None,
             dram: DramCounters::default(),
+        })
+    }
+
+    /// Lane `i`'s memory: its length and, when it is shared, a new read-only descriptor of it.
+    /// None for a lane that does not exist.
+    pub fn lane_reader_fd(&self, i: usize) -> Option<(u64, Option<std::io::Result<OwnedFd>>)> {
+        let mem = self.lanes.get(i)?.memory();
+        Some((mem.range().1 as u64, mem.reader_fd()))
+    }
+
+    /// The lane whose memory holds `addr`, and where in it (`--shm-share-values`: what a
+    /// same-host client finds in its mapping of that lane).
+    pub(crate) fn lane_at(&self, addr: usize) -> Option<(u32, u64)> {
+        self.lanes.iter().enumerate().find_map(|(i, l)| {
+            let (start, len) = l.memory_range();
+            (addr >= start && addr < start + len).then(|| (i as u32, (addr - start) as u64))
         })
     }
 

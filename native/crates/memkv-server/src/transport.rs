@@ -36,6 +36,13 @@ pub trait Transport: Send {
     fn take_fd(&mut self) -> Option<OwnedFd> {
         None
     }
+    /// Sends `fd` to the peer with the next bytes written; only a unix socket can.
+    fn attach_fd(&mut self, _fd: OwnedFd) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "only the same-host socket passes file descriptors",
+        ))
+    }
 }
 
 /// A blocking TCP socket; timeouts are socket options, set only when they change.

@@ -21,6 +21,8 @@ pub struct UnixTransport {
     read_wait: Option<Duration>,
     write_wait: Option<Duration>,
     fds: VecDeque<OwnedFd>,
+    /// Descriptors to send with the next bytes written (`attach_fd`).
+    outgoing: Vec<OwnedFd>,
 }
 
 impl UnixTransport {
@@ -31,6 +33,7 @@ impl UnixTransport {
             read_wait: None,
             write_wait: None,
             fds: VecDeque::new(),
+            outgoing: Vec::new(),
         })
     }
 
@@ -78,6 +81,43 @@ impl UnixTransport {
     }
 }
 
+impl UnixTransport {
+    /// sendmsg of `parts` with the outgoing descriptors (SCM_RIGHTS), which go with its first
+    /// byte and are closed here once sent.
+    fn send_with_fds(&mut self, parts: &[IoSlice<'_>]) -> io::Result<usize> {
+        let fds: Vec<libc::c_int> = self.outgoing.iter().map(|f| f.as_raw_fd()).collect();
+        let data_len = std::mem::size_of_val(&fds[..]) as u32;
+        // SAFETY: CMSG_SPACE only computes a size.
+        let space = unsafe { libc::CMSG_SPACE(data_len) } as usize;
+        let mut cmsg = vec![0u64; space.div_ceil(8)];
+        // SAFETY: msghdr is plain data; zeroed is a valid empty header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = parts.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = parts.len();
+        msg.msg_control = cmsg.as_mut_ptr().cast();
+        msg.msg_controllen = space;
+        // SAFETY: the control buffer has room for one header and `fds`; IoSlice is
+        // ABI-compatible with iovec; all buffers live for the call.
+        let n = unsafe {
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(data_len) as usize;
+            std::ptr::copy_nonoverlapping(
+                fds.as_ptr(),
+                libc::CMSG_DATA(c).cast::<libc::c_int>(),
+                fds.len(),
+            );
+            libc::sendmsg(self.stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        self.outgoing.clear();
+        Ok(n as usize)
+    }
+}
+
 /// A zero timeout means "block forever" to the socket API; the smallest real one stands in.
 fn nonzero(d: Duration) -> Duration {
     d.max(Duration::from_millis(1))
@@ -99,7 +139,11 @@ impl Transport for UnixTransport {
             self.stream.set_write_timeout(Some(wait))?;
             self.write_wait = Some(wait);
         }
-        self.stream.write_vectored(parts)
+        if self.outgoing.is_empty() {
+            self.stream.write_vectored(parts)
+        } else {
+            self.send_with_fds(parts)
+        }
     }
 
     /// The peer process, by its credentials (a unix socket has no address).
@@ -136,5 +180,10 @@ impl Transport for UnixTransport {
 
     fn take_fd(&mut self) -> Option<OwnedFd> {
         self.fds.pop_front()
+    }
+
+    fn attach_fd(&mut self, fd: OwnedFd) -> io::Result<()> {
+        self.outgoing.push(fd);
+        Ok(())
     }
 }

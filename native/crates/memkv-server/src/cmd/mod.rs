@@ -5,6 +5,7 @@
 mod delete;
 mod exists;
 mod get;
+mod get_mapped;
 mod get_rdma;
 mod put;
 mod put_rdma;
@@ -17,6 +18,8 @@ mod shm_common;
 mod shm_get;
 mod shm_put;
 mod shm_region;
+mod shm_release;
+mod shm_values;
 
 use std::time::Instant;
 

@@ -176,9 +176,17 @@ impl Lane {
         max_leased_fraction: f64,
         usage: Arc<Usage>,
     ) -> std::io::Result<Lane> {
-        let mem = LaneMemory::new(bytes)?;
+        Ok(Lane::over(
+            LaneMemory::new(bytes)?,
+            max_leased_fraction,
+            usage,
+        ))
+    }
+
+    /// A lane over `mem` (private or shared memory), charging its values to `usage`.
+    pub fn over(mem: Arc<LaneMemory>, max_leased_fraction: f64, usage: Arc<Usage>) -> Lane {
         let max_pinned_bytes = (mem.capacity() as f64 * max_leased_fraction) as u64;
-        Ok(Lane {
+        Lane {
             mem,
             inner: Mutex::new(Inner {
                 index: HashMap::new(),
@@ -195,7 +203,12 @@ impl Lane {
             evictions: Default::default(),
             usage,
             spill: OnceLock::new(),
-        })
+        }
+    }
+
+    /// The lane's memory, for a same-host client that maps it (`--shm-share-values`).
+    pub fn memory(&self) -> &Arc<LaneMemory> {
+        &self.mem
     }
 
     /// Hands every value this lane evicts from now on to `hook` instead of dropping it.
