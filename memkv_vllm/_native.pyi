@@ -6,7 +6,7 @@
 # Per-key outcomes are one `bytes` of status codes per batch (byte i: key i's
 # memkv_vllm.core.interface.Status number). Buffers cross as (address, length) pairs.
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal, final
 
 MAX_KEY_LEN: int
@@ -17,6 +17,8 @@ class Op:
     def done(self) -> bool: ...
     def wait(self, timeout: float | None = None) -> bytes | None: ...
     def wait_lengths(self, timeout: float | None = None) -> tuple[bytes, list[int]] | None: ...
+    # Mapped reads: (status codes, address of each OK value or 0, ticket).
+    def wait_mapped(self, timeout: float | None = None) -> tuple[bytes, list[int], int] | None: ...
 
 @final
 class CompletionQueue:
@@ -82,6 +84,21 @@ class Client:
         owner: object | None = None,
         queue: CompletionQueue | None = None,
         tag: int = 0,
+    ) -> Op: ...
+    # Mapped reads (servers started with --shm-share-values): None per server whose memory is
+    # mapped, else why not.
+    def enable_mapped_reads(
+        self, register: Callable[[int, int], None], unregister: Callable[[int, int], None]
+    ) -> list[str | None]: ...
+    def submit_get_mapped(
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        queue: CompletionQueue | None = None,
+        tag: int = 0,
+    ) -> Op: ...
+    def submit_release_mapped(
+        self, ticket: int, queue: CompletionQueue | None = None, tag: int = 0
     ) -> Op: ...
     # [(address, answer or None, error or None)] per server.
     def ping(self) -> list[tuple[str, float | None, str | None]]: ...

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -97,6 +97,10 @@ class CodesOp:
     def wait_lengths(self, timeout: float | None = None) -> tuple[bytes, list[int]] | None:
         """For EXISTS ops: (status codes, stored value length per key)."""
         return self._op.wait_lengths(timeout)
+
+    def wait_mapped(self, timeout: float | None = None) -> tuple[bytes, list[int], int] | None:
+        """For mapped reads: (status codes, address of each OK value, ticket)."""
+        return self._op.wait_mapped(timeout)
 
 
 class Op:
@@ -213,6 +217,25 @@ class CodesClient:
     def submit_delete(self, keys: Sequence[bytes], queue: _native.CompletionQueue | None = None,
                       tag: int = 0) -> CodesOp:
         return CodesOp(self._c.submit_delete(keys, queue, tag))
+
+    def enable_mapped_reads(self, register: Callable[[int, int], None],
+                            unregister: Callable[[int, int], None]) -> list[str | None]:
+        """Map every same-host server's value memory (servers started with
+        ``--shm-share-values``), calling ``register(ptr, nbytes)`` for each mapping and
+        ``unregister(ptr, nbytes)`` before one goes; per server None, or why not."""
+        return self._c.enable_mapped_reads(register, unregister)
+
+    def submit_get_mapped(self, keys: Sequence[bytes], sizes: Sequence[int],
+                          queue: _native.CompletionQueue | None = None,
+                          tag: int = 0) -> CodesOp:
+        """Where each value lies in this process, pinned until its ticket is released
+        (``CodesOp.wait_mapped``)."""
+        return CodesOp(self._c.submit_get_mapped(list(keys), [int(n) for n in sizes], queue, tag))
+
+    def submit_release_mapped(self, ticket: int, queue: _native.CompletionQueue | None = None,
+                              tag: int = 0) -> CodesOp:
+        """Ends a mapped read's pins; its one status is OK when they held throughout."""
+        return CodesOp(self._c.submit_release_mapped(int(ticket), queue, tag))
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         """As :meth:`MemKVClient.register_buffer`: a block store holding this face registers
@@ -352,6 +375,22 @@ class MemKVClient:
     def submit_delete(self, keys: Sequence[bytes], queue: _native.CompletionQueue | None = None,
                       tag: int = 0) -> Op:
         return Op(self.codes.submit_delete(keys, queue, tag))
+
+    def enable_mapped_reads(self, register: Callable[[int, int], None],
+                            unregister: Callable[[int, int], None]) -> list[str | None]:
+        """As :meth:`CodesClient.enable_mapped_reads`."""
+        return self.codes.enable_mapped_reads(register, unregister)
+
+    def submit_get_mapped(self, keys: Sequence[bytes], sizes: Sequence[int],
+                          queue: _native.CompletionQueue | None = None, tag: int = 0) -> CodesOp:
+        """As :meth:`CodesClient.submit_get_mapped` (statuses as codes: the block store's
+        face)."""
+        return self.codes.submit_get_mapped(keys, sizes, queue, tag)
+
+    def submit_release_mapped(self, ticket: int, queue: _native.CompletionQueue | None = None,
+                              tag: int = 0) -> CodesOp:
+        """As :meth:`CodesClient.submit_release_mapped`."""
+        return self.codes.submit_release_mapped(ticket, queue, tag)
 
     # -- cluster -------------------------------------------------------------------------------
 

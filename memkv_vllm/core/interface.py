@@ -39,7 +39,7 @@ outside registered memory, an unknown buffer) raise `ValueError` at the call tha
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -105,6 +105,12 @@ class Completion:
     # Loads: keys the cluster turned out not to hold (any more), or held with a length no reader
     # can use (the offloader deletes those). The adapter may announce them as removed.
     gone_keys: tuple[bytes, ...] = ()
+    # Loads in place (`DirectOffloader.submit_load_mapped`): the address of each of `ok_keys`'
+    # values in this process (inside a same-host server's memory, mapped read-only), and the
+    # tickets whose release (`DirectOffloader.submit_release`) ends their pins. The bytes there
+    # are the stored ones only if that release succeeds.
+    addresses: tuple[int, ...] = ()
+    tickets: tuple[int, ...] = ()
 
 
 @runtime_checkable
@@ -221,6 +227,40 @@ class AsyncBlockClient(Protocol):
     def submit_delete(self, keys: Sequence[bytes], queue: CompletionQueue | None = None,
                       tag: int = 0) -> ProbeHandle:
         """`BlockClient.delete`, submitted."""
+        ...
+
+
+class MappedHandle(ProbeHandle, Protocol):
+    """A submitted mapped read (`MappedReadClient.submit_get_mapped`)."""
+
+    def wait_mapped(self, timeout: float | None = None
+                    ) -> tuple[Sequence[int], Sequence[int], int] | None:
+        """(one status per key, the address of each OK value (0 for others), the ticket that
+        pins them (0: none)), or None if not done within `timeout`; `wait_mapped(0)` after the
+        op's tag came back returns without blocking."""
+        ...
+
+
+@runtime_checkable
+class MappedReadClient(Protocol):
+    """An `AsyncBlockClient` that reads values in place, out of a same-host server's memory
+    mapped into this process (`memkv serve --shm-share-values`). Callers: as for
+    `AsyncBlockClient`; no method but `enable_mapped_reads` blocks."""
+
+    def enable_mapped_reads(self, register: Callable[[int, int], None],
+                            unregister: Callable[[int, int], None]) -> list[str | None]:
+        """BLOCKING: map every server's memory now; per server None, or why not."""
+        ...
+
+    def submit_get_mapped(self, keys: Sequence[bytes], sizes: Sequence[int],
+                          queue: CompletionQueue | None = None, tag: int = 0) -> MappedHandle:
+        """Where each key's value (of `sizes[i]` bytes) lies, pinned until its ticket's
+        release."""
+        ...
+
+    def submit_release_mapped(self, ticket: int, queue: CompletionQueue | None = None,
+                              tag: int = 0) -> ProbeHandle:
+        """Ends a ticket's pins; one status: OK when the servers held them throughout."""
         ...
 
 
@@ -375,6 +415,29 @@ class DirectOffloader(Offloader, Protocol):
         `flush_lookups`; a key it does not find turns MISS as by `mark_missing`, so later lookups
         do not lead to the same failed load. `has_pending_lookups` is True until then. Does
         nothing without a cluster or with leases off."""
+        ...
+
+    def mapped_reads(self, register: Callable[[int, int], None],
+                     unregister: Callable[[int, int], None]) -> str | None:
+        """Turn loads in place on: every server's value memory is mapped into this process now
+        (servers on this host started with `--shm-share-values`), `register(ptr, nbytes)` is
+        called for each mapping (a GPU engine registers it with CUDA) and
+        `unregister(ptr, nbytes)` before one goes. None when every server's is mapped, else why
+        not (then `submit_load_mapped` must not be used). Called once, before any job."""
+        ...
+
+    def submit_load_mapped(self, job_id: int, keys: Sequence[bytes],
+                           sizes: Sequence[int]) -> None:
+        """A load in place: the job's Completion names, for each OK key, where its value lies
+        (`Completion.addresses`) and the tickets pinning them (`Completion.tickets`), which the
+        caller releases with `submit_release` once its copies out of them are done, also when
+        some keys failed. Non-blocking, as `submit_load`."""
+        ...
+
+    def submit_release(self, job_id: int, tickets: Sequence[int]) -> None:
+        """End the pins of `tickets`. The job's Completion is ok when the servers held every
+        value until now: only then were the bytes copied out of them the stored ones.
+        Non-blocking."""
         ...
 
     def wait_any(self, timeout: float) -> bool:

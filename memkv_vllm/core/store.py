@@ -43,6 +43,7 @@ from memkv_vllm.core.interface import (
     BlockClient,
     Completion,
     Lookup,
+    MappedReadClient,
     RegisteringClient,
     ShardedClient,
     Status,
@@ -91,6 +92,11 @@ class _TransferJob:
     statuses: list[int] = attrs.Factory(list)
     remaining: int = 0
     t_done: float = 0.0
+    # "transfer"; "mapped": a load in place (addresses and tickets come back); "release": the
+    # end of mapped reads' pins, one ticket per entry of `sizes`.
+    kind: str = "transfer"
+    addresses: list[int] = attrs.Factory(list)
+    tickets: list[int] = attrs.Factory(list)
 
 
 @attrs.define(eq=False)
@@ -385,6 +391,30 @@ class BlockStore:
         self._submit(False, job_id, [keys[i] for i in todo], [ptrs[i] for i in todo],
                      [sizes[i] for i in todo], [bufs[i] for i in todo], skipped)
 
+    def mapped_reads(self, register: Callable[[int, int], None],
+                     unregister: Callable[[int, int], None]) -> str | None:
+        """See `DirectOffloader.mapped_reads`."""
+        if not isinstance(self._io, MappedReadClient):
+            return "the client cannot read in place"
+        try:
+            why = [w for w in self._io.enable_mapped_reads(register, unregister) if w]
+        except Exception as e:  # never fail the engine over an optimisation
+            return f"mapping the servers' memory failed: {e}"
+        return "; ".join(sorted(set(why))) or None
+
+    def submit_load_mapped(self, job_id: int, keys: Sequence[bytes],
+                           sizes: Sequence[int]) -> None:
+        n = len(keys)
+        sizes = [int(x) for x in sizes]
+        if len(sizes) != n:
+            raise ValueError(f"{n} keys, {len(sizes)} sizes")
+        self._submit(True, job_id, list(keys), [0] * n, sizes, [None] * n, kind="mapped")
+
+    def submit_release(self, job_id: int, tickets: Sequence[int]) -> None:
+        t = [int(x) for x in tickets]
+        self._submit(True, job_id, [b""] * len(t), [0] * len(t), t, [None] * len(t),
+                     kind="release")
+
     def known_hit(self, key: bytes) -> bool:
         """An unexpired HIT verdict (see `DirectOffloader.known_hit`)."""
         return self._known_hit(key, self._clock())
@@ -395,21 +425,24 @@ class BlockStore:
 
     def _submit(self, is_load: bool, job_id: int, keys: list[bytes], ptrs: list[int],
                 sizes: list[int], per_range: list[_Buffer | None],
-                skipped: tuple[bytes, ...] = ()) -> None:
+                skipped: tuple[bytes, ...] = (), kind: str = "transfer") -> None:
         """Start a job over ranges `_checked` accepted (`per_range`: its buffer per range)."""
         # Each buffer once, in order of first use (dict keys are ordered).
         buffers = list({id(b): b for b in per_range if b is not None}.values())
         for b in buffers:
             b.jobs += 1
-        job = _TransferJob(job_id, is_load, keys, ptrs, sizes, buffers, self._clock(), skipped)
+        job = _TransferJob(job_id, is_load, keys, ptrs, sizes, buffers, self._clock(), skipped,
+                           kind=kind)
         job.statuses = [Status.UNAVAILABLE] * len(job.keys)
-        self._stats["load_jobs" if is_load else "store_jobs"] += 1
+        job.addresses = [0] * len(job.keys) if kind == "mapped" else []
+        if kind != "release":
+            self._stats["load_jobs" if is_load else "store_jobs"] += 1
         n = len(job.keys)
         if n == 0 or self._client is None or self._closed:
             job.t_done = self._clock()
             self._done.put(job)
             return
-        step = max(1, self.options.blocks_per_op)
+        step = 1 if kind == "release" else max(1, self.options.blocks_per_op)
         with self._cv:
             self._inflight += 1
             job.remaining = (n + step - 1) // step
@@ -431,9 +464,18 @@ class BlockStore:
             self._running[is_load] += 1
             submit = self._io.submit_get_into_ptrs if is_load else self._io.submit_put_ptrs
             try:
-                # `job` holds its registered buffers, and they their owners, until it completes.
-                r.op = submit(job.keys[r.lo:r.hi], job.ptrs[r.lo:r.hi], job.sizes[r.lo:r.hi],
-                              self._queue, tag)
+                if job.kind == "mapped":
+                    assert isinstance(self._io, MappedReadClient)
+                    r.op = self._io.submit_get_mapped(job.keys[r.lo:r.hi],
+                                                      job.sizes[r.lo:r.hi], self._queue, tag)
+                elif job.kind == "release":
+                    assert isinstance(self._io, MappedReadClient)
+                    r.op = self._io.submit_release_mapped(job.sizes[r.lo], self._queue, tag)
+                else:
+                    # `job` holds its registered buffers, and they their owners, until it
+                    # completes.
+                    r.op = submit(job.keys[r.lo:r.hi], job.ptrs[r.lo:r.hi],
+                                  job.sizes[r.lo:r.hi], self._queue, tag)
             except Exception as e:  # a client that cannot start fails these keys, no more
                 logger.warning("memkv %s failed to start: %s", "load" if is_load else "store", e)
                 del self._ops[tag]
@@ -461,7 +503,16 @@ class BlockStore:
         what = "delete" if r.job is None else "load" if r.job.is_load else "store"
         st: list[int] | None
         try:
-            res = r.op.wait(0)
+            if r.job is not None and r.job.kind == "mapped":
+                mres = r.op.wait_mapped(0)
+                if mres is None:
+                    raise RuntimeError("an operation announced itself before it completed")
+                res, addrs, ticket = mres
+                if ticket:
+                    r.job.tickets.append(int(ticket))
+                r.job.addresses[r.lo:r.hi] = [int(a) for a in addrs]
+            else:
+                res = r.op.wait(0)
             if res is None:
                 raise RuntimeError("an operation announced itself before it completed")
             st = [int(c) for c in res]
@@ -526,11 +577,16 @@ class BlockStore:
         return [c for c, _ in finished]
 
     def _complete(self, job: _TransferJob, now: float) -> tuple[Completion, list[_Buffer]]:
+        secs = max(0.0, job.t_done - job.t0)
+        if job.kind == "release":
+            held = all(s == Status.OK for s in job.statuses)
+            if not held:
+                self._stats["mapped_pins_lost"] += 1
+            return Completion(job.job_id, True, held, (), 0, secs), []
         ok = [Status.is_ok(s) for s in job.statuses]
         ok_keys = [k for k, good in zip(job.keys, ok, strict=True) if good]
         failed = [k for k, good in zip(job.keys, ok, strict=True) if not good]
         nbytes = sum(sz for sz, good in zip(job.sizes, ok, strict=True) if good)
-        secs = max(0.0, job.t_done - job.t0)
         kind = "load" if job.is_load else "store"
         self._stats[f"{kind}_blocks_ok"] += len(ok_keys)
         self._stats[f"{kind}_blocks_failed"] += len(failed)
@@ -549,8 +605,10 @@ class BlockStore:
                 self._delete(bad_length)
             gone = tuple(k for k, s in zip(job.keys, job.statuses, strict=True)
                          if s in (Status.NOT_FOUND, Status.LENGTH_MISMATCH))
+            addrs = (tuple(a for a, good in zip(job.addresses, ok, strict=True) if good)
+                     if job.kind == "mapped" else ())
             c = Completion(job.job_id, True, not failed, tuple(ok_keys), nbytes, secs,
-                           gone_keys=gone)
+                           gone_keys=gone, addresses=addrs, tickets=tuple(job.tickets))
             return c, job.buffers
         self._store_backlog -= self._store_bytes_by_job.pop(job.job_id, 0)
         exp = now + self.options.hit_ttl_s

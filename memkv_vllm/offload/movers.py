@@ -30,7 +30,7 @@ import numpy as np
 
 from memkv_vllm.offload.cuda_driver import cuda_driver
 from memkv_vllm.offload.paged import Entry, PagedKV
-from memkv_vllm.offload.shared_host import SharedHostBuffer
+from memkv_vllm.offload.shared_host import SharedHostBuffer, register_read_only, unregister
 
 MEDIUMS = ("auto", "host", "gpu")
 
@@ -83,6 +83,20 @@ class Mover(Protocol):
 
     def scatter(self, entries: Sequence[Entry], slots: Sequence[int], ready: Any) -> Fence:
         """Enqueue the `io` slots of `slots` -> KV blocks."""
+        ...
+
+    def scatter_from(self, entries: Sequence[Entry], addrs: Sequence[int], ready: Any) -> Fence:
+        """Enqueue the values at host addresses `addrs` (inside memory `register_host`
+        accepted) -> KV blocks: a load in place, out of a same-host server's memory."""
+        ...
+
+    def register_host(self, ptr: int, nbytes: int) -> None:
+        """Make the read-only host memory `[ptr, ptr + nbytes)` readable by `scatter_from`;
+        raises when it cannot."""
+        ...
+
+    def unregister_host(self, ptr: int, nbytes: int) -> None:
+        """Undo `register_host`; no copy reads the memory any more."""
         ...
 
     def close(self) -> None: ...
@@ -179,10 +193,19 @@ class HostMover:
         return _Done()
 
     def scatter(self, entries: Sequence[Entry], slots: Sequence[int], ready: Any) -> Fence:
-        kv, val, size = self.kv.pieces(entries, self._slot_ptrs(slots))
+        return self.scatter_from(entries, self._slot_ptrs(slots), ready)
+
+    def scatter_from(self, entries: Sequence[Entry], addrs: Sequence[int], ready: Any) -> Fence:
+        kv, val, size = self.kv.pieces(entries, list(addrs))
         for d, s, n in zip(kv.tolist(), val.tolist(), size.tolist(), strict=True):
             ctypes.memmove(d, s, n)
         return _Done()
+
+    def register_host(self, ptr: int, nbytes: int) -> None:
+        return None  # host KV: memmove reads any mapping
+
+    def unregister_host(self, ptr: int, nbytes: int) -> None:
+        return None
 
     def close(self) -> None:
         self.io = None
@@ -371,6 +394,17 @@ class CudaMover:
             if self.staged:
                 self._batch(dev, host, self._sizes(entries))
             return self._fence(self._move(entries, scratch, True))
+
+    def scatter_from(self, entries: Sequence[Entry], addrs: Sequence[int], ready: Any) -> Fence:
+        with self._torch.cuda.device(self.device):
+            self.stream.wait_event(ready)
+            return self._fence(self._move(entries, [int(a) for a in addrs], True))
+
+    def register_host(self, ptr: int, nbytes: int) -> None:
+        register_read_only(self._torch, ptr, nbytes)
+
+    def unregister_host(self, ptr: int, nbytes: int) -> None:
+        unregister(self._torch, ptr)
 
     def _fence(self, used: list[Any]) -> Fence:
         # blocking: whoever waits for it sleeps in the driver instead of spinning on a core

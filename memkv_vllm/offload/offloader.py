@@ -50,6 +50,10 @@ _SLOT_ALIGN = 4096  # slots start on page boundaries: friendlier to DMA and to f
 # How long the I/O thread sleeps in one BlockStore.wait_any: a completion wakes it at once, this
 # only bounds how late it notices close().
 _IO_WAIT_S = 0.2
+# Loads in place: values per batch (one GET_MAPPED each), and batches in flight at once. No
+# scratch bounds them, so these do: the server's pins, and the scatters queued on the GPU.
+_MAPPED_VALUES = 16
+_MAPPED_BATCHES = 8
 
 
 @attrs.frozen
@@ -88,6 +92,11 @@ class _Batch:
     slots: list[int]
     fence: Fence | None = None
     ok: list[bool] = attrs.Factory(list)
+    # A load in place (`mapped`): no slots; its values are scattered straight out of the
+    # server's memory, then its pins are released (`releasing`) before it settles.
+    mapped: bool = False
+    tickets: tuple[int, ...] = ()
+    releasing: bool = False
 
 
 class KVOffloader:
@@ -113,10 +122,13 @@ class KVOffloader:
     def __init__(self, kv: PagedKV, store: DirectOffloader, medium: str = "auto",
                  scratch_bytes: int = 256 << 20, batch_values: int = 4,
                  clock: Callable[[], float] = time.monotonic, copy_method: str = "auto",
-                 copy_programs: int = 32, device_io: bool = False) -> None:
+                 copy_programs: int = 32, device_io: bool = False,
+                 mapped_reads: bool = True) -> None:
         """`medium` as `make_mover` (`auto` = host); `device_io`: the store's transport reads
         and writes GPU memory (RDMA with FI_HMEM), so `gpu` scratch slots go to the network
-        themselves instead of through pinned host slots."""
+        themselves instead of through pinned host slots. `mapped_reads`: load in place, out of
+        same-host servers' memory, where every server shares it (`DirectOffloader.mapped_reads`;
+        host scratch only)."""
         self.kv, self._store, self._clock = kv, store, clock
         self.slot_bytes = -(-kv.max_value_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
         n_slots = scratch_bytes // self.slot_bytes
@@ -132,6 +144,12 @@ class KVOffloader:
         self._io_base = int(io.data_ptr())
         self.device_io = bool(getattr(io, "is_cuda", False))
         store.register_buffer(self._io_base, n_slots * self.slot_bytes, owner=io)
+        self.mapped, self.mapped_reason = False, "off"
+        if mapped_reads and self.medium == "host":
+            why = store.mapped_reads(self.mover.register_host, self.mover.unregister_host)
+            self.mapped = why is None
+            self.mapped_reason = "on" if why is None else f"off ({why})"
+        self._mapped_open = 0  # mapped batches not settled
         self._free = list(range(n_slots - 1, -1, -1))
         self._queues: dict[bool, collections.deque[_Job]] = {
             True: collections.deque(), False: collections.deque()}
@@ -157,7 +175,8 @@ class KVOffloader:
         return (f"value {self.kv.max_value_bytes} B, {self.n_slots} scratch slots of "
                 f"{self.slot_bytes} B ({self.n_slots * self.slot_bytes >> 20} MiB), "
                 f"medium {self.medium}{f' ({io})' if io else ''}, {self.mover.scratch_reason}, "
-                f"copies by {self.mover.method}, {self.batch_values} values per batch")
+                f"copies by {self.mover.method}, {self.batch_values} values per batch, "
+                f"loads in place {self.mapped_reason}")
 
     # ----------------------------------------------------------------------------- submit
     def submit_store(self, job_id: int, entries: Sequence[Entry]) -> None:
@@ -279,6 +298,17 @@ class KVOffloader:
         """Under the lock: start the next batch if a slot is free; False if none started."""
         for is_load in (True, False):  # loads first: a request waits for them
             q = self._queues[is_load]
+            if q and is_load and self.mapped:
+                if self._mapped_open >= _MAPPED_BATCHES:
+                    continue
+                job = q[0]
+                entries = [job.pending.popleft()
+                           for _ in range(min(_MAPPED_VALUES, len(job.pending)))]
+                if not job.pending:
+                    q.popleft()
+                self._mapped_open += 1
+                self._start(_Batch(job, entries, [], mapped=True))
+                return True
             if q and self._free:
                 job = q[0]
                 n = min(self.batch_values, len(self._free), len(job.pending))
@@ -314,6 +344,10 @@ class KVOffloader:
         """Under the lock: a gather or scatter that could not run fails its batch."""
         logger.warning("memkv offload: %s for job %d failed: %s",
                        "scatter" if b.job.is_load else "gather", b.job.job_id, e)
+        if b.mapped:
+            b.ok = [False] * len(b.entries)
+            self._release(b)
+            return
         if not b.job.is_load:
             b.job.uncopied -= len(b.entries)
         self._settle(b, [False] * len(b.entries))
@@ -323,14 +357,31 @@ class KVOffloader:
         self._io_ids += 1
         self._io[self._io_ids] = b
         keys = [e.key for e in b.entries]
-        if b.job.is_load:
+        if b.releasing:
+            self._store.submit_release(self._io_ids, b.tickets)
+        elif b.mapped:
+            self._store.submit_load_mapped(self._io_ids, keys, self._sizes(b))
+        elif b.job.is_load:
             self._store.submit_load(self._io_ids, keys, self._ptrs(b), self._sizes(b))
         else:
             self._store.submit_store(self._io_ids, keys, self._ptrs(b), self._sizes(b))
 
+    def _release(self, b: _Batch) -> None:
+        """Under the lock: a load in place is done reading the server's memory; its pins go,
+        and it settles once the servers said they held them (else its blocks hold unknown
+        bytes: failed)."""
+        b.releasing = True
+        if b.tickets:
+            self._submit_io(b)
+            return
+        self._mapped_open -= 1
+        self._settle(b, b.ok)
+
     def _copied(self, b: _Batch) -> None:
         """Under the lock: the batch's gather or scatter has passed its fence."""
-        if b.job.is_load:  # scattered: the blocks hold the values
+        if b.mapped:  # scattered out of the server's memory: let its pins go
+            self._release(b)
+        elif b.job.is_load:  # scattered: the blocks hold the values
             self._settle(b, b.ok)
         else:  # gathered: the blocks are free again, the values go out
             b.job.uncopied -= len(b.entries)
@@ -339,6 +390,9 @@ class KVOffloader:
     def _io_done(self, b: _Batch, c: Completion) -> None:
         """Under the lock: the store finished the batch's values; a load scatters the ones that
         arrived (none once its job is abandoned), a store settles."""
+        if b.mapped:
+            self._mapped_done(b, c)
+            return
         got = set(c.ok_keys)
         lost = b.job.is_load and b.job.abandoned  # its blocks belong to someone else now
         ok = [e.key in got and not lost for e in b.entries]
@@ -353,6 +407,27 @@ class KVOffloader:
         try:
             b.fence = self.mover.scatter([b.entries[i] for i in good],
                                          [b.slots[i] for i in good], b.job.ready)
+        except Exception as e:
+            self._copy_failed(b, e)
+            return
+        self._copying.append(b)
+
+    def _mapped_done(self, b: _Batch, c: Completion) -> None:
+        """Under the lock: a load in place got its addresses (scatter out of them, then
+        release), or its release's answer (settle)."""
+        if b.releasing:
+            self._mapped_open -= 1
+            self._settle(b, b.ok if c.ok else [False] * len(b.entries))
+            return
+        at = dict(zip(c.ok_keys, c.addresses, strict=True))
+        b.tickets = c.tickets
+        b.ok = [e.key in at and not b.job.abandoned for e in b.entries]
+        good = [e for e, k in zip(b.entries, b.ok, strict=True) if k]
+        if not good:
+            self._release(b)
+            return
+        try:
+            b.fence = self.mover.scatter_from(good, [at[e.key] for e in good], b.job.ready)
         except Exception as e:
             self._copy_failed(b, e)
             return

@@ -27,6 +27,9 @@ logger = logging.getLogger("vllm.memkv_shared_host")
 # cudaHostRegisterPortable: pinned for every CUDA context of the process, as torch's pinned
 # allocations are (a worker may touch its scratch from another device context).
 _REGISTER_PORTABLE = 1
+# cudaHostRegisterReadOnly: the GPU only reads the memory (a same-host server's values, mapped
+# read-only: registering them without it fails).
+_REGISTER_READ_ONLY = 8
 
 
 class SharedHostBuffer:
@@ -97,11 +100,25 @@ def _populate() -> int:
     return getattr(mmap, "MAP_POPULATE", 0)
 
 
-def _host_register(torch: Any, ptr: int, nbytes: int) -> str | None:
+def register_read_only(torch: Any, ptr: int, nbytes: int) -> None:
+    """Pin `[ptr, ptr + nbytes)`, a read-only mapping, for the GPU's reads; RuntimeError with
+    the reason when CUDA refuses."""
+    err = _host_register(torch, ptr, nbytes, _REGISTER_PORTABLE | _REGISTER_READ_ONLY)
+    if err is not None:
+        raise RuntimeError(f"cudaHostRegister (read-only) of {nbytes} bytes failed: {err}")
+
+
+def unregister(torch: Any, ptr: int) -> None:
+    """Undo `register_read_only(ptr, ...)`; a failure is logged."""
+    _host_unregister(torch, ptr)
+
+
+def _host_register(torch: Any, ptr: int, nbytes: int, flags: int = _REGISTER_PORTABLE
+                   ) -> str | None:
     """None if CUDA pinned `[ptr, ptr + nbytes)`, else why not."""
     try:
         rt = torch.cuda.cudart()
-        err = rt.cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE)
+        err = rt.cudaHostRegister(ptr, nbytes, flags)
     except Exception as e:  # no CUDA runtime bindings in this torch
         return str(e)
     code = int(getattr(err, "value", err))

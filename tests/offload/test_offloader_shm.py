@@ -39,3 +39,47 @@ def test_values_move_through_the_scratch_the_server_maps(memkv_server):
     mapped = [line for line in Path("/proc/self/maps").read_text().splitlines()
               if line.startswith(f"{base:x}-") and "memkv-scratch" in line]
     assert not mapped, f"scratch left mapped: {mapped}"
+
+
+def in_place_offloader(address: str, kv):
+    client = MemKVClient.from_config(load_config({"servers": [address], "transport": "shm"}))
+    return offloader(address, kv, client=client)
+
+
+def lanes_mapped_here() -> list[str]:
+    return [line for line in Path("/proc/self/maps").read_text().splitlines()
+            if "memkv-lane-" in line]
+
+
+def test_loads_read_in_place_from_a_server_sharing_its_values(memkv_server_factory):
+    srv = memkv_server_factory(memory="64M", lanes=2, extra=["--shm-share-values"])
+    kv = LAYOUTS[sorted(LAYOUTS)[0]](32, "cpu")
+    writer = in_place_offloader(srv.address, kv)
+    src, dst = [1, 7, 20, 31], [3, 4, 5, 6]
+    assert run(writer, 1, entries(b"mapped", 0, src), load=False).ok
+    want = [block_bytes(kv, 0, b) for b in src]
+    writer.close()
+    for t in kv.tensors:
+        t.view(torch.uint8).fill_(0)
+    reader = in_place_offloader(srv.address, kv)
+    assert "loads in place on" in reader.describe()
+    maps = lanes_mapped_here()
+    assert len(maps) >= 2 and all(" r--s " in m for m in maps), maps
+    r = run(reader, 2, [e.__class__(e.key, 0, (d,)) for e, d in
+                        zip(entries(b"mapped", 0, src), dst, strict=True)], load=True)
+    assert r.ok and r.failed_block_ids == ()
+    assert [block_bytes(kv, 0, b) for b in dst] == want
+    # A key the server lacks fails its block and leaves it untouched.
+    r = run(reader, 3, [e.__class__(b"absent-" + e.key, 0, (d,)) for e, d in
+                        zip(entries(b"mapped", 0, src[:1]), [9], strict=True)], load=True)
+    assert not r.ok and r.failed_block_ids == (9,)
+    assert block_bytes(kv, 0, 9) == [bytes(len(p)) for p in want[0]]
+    reader.close()
+
+
+def test_loads_stay_in_scratch_without_shared_values(memkv_server):
+    kv = LAYOUTS[sorted(LAYOUTS)[0]](32, "cpu")
+    off = in_place_offloader(memkv_server.address, kv)
+    assert "loads in place off" in off.describe()
+    assert "--shm-share-values" in off.describe()
+    off.close()

@@ -218,7 +218,9 @@ fn shm_config(a: &ServeArgs) -> Result<Option<memkv_server::shm::ShmConfig>, Str
     use memkv_server::shm::{ShmConfig, ShmSocket};
     let socket = match a.shm_socket.as_str() {
         "off" if a.shm_share_values => {
-            return Err("--shm-share-values needs the same-host socket (--shm-socket is off)".into())
+            return Err(
+                "--shm-share-values needs the same-host socket (--shm-socket is off)".into(),
+            )
         }
         "off" => return Ok(None),
         "auto" | "" => ShmSocket::Default,

@@ -310,7 +310,9 @@ impl Conn {
             .zip(lens)
             .any(|(v, n)| v.status == proto::Status::Ok && v.len != *n)
         {
-            return Err(proto::ProtoError::Malformed("GET_MAPPED length differs from request").into());
+            return Err(
+                proto::ProtoError::Malformed("GET_MAPPED length differs from request").into(),
+            );
         }
         Ok((pin, vals))
     }

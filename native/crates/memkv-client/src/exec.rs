@@ -17,6 +17,8 @@ use crate::Status;
 pub enum OpResult {
     Statuses(Vec<Status>),
     StatusLens(Vec<(Status, u64)>),
+    /// A mapped read (`Client::get_mapped_by`): each key's status and address, and the ticket.
+    Mapped(Vec<(Status, usize)>, u64),
     /// The operation panicked (a bug); the message says where. Waiters get this instead of
     /// waiting forever for a result that will never come.
     Panicked(String),

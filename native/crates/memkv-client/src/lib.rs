@@ -737,6 +737,14 @@ impl Client {
     /// this host, or is down) says why, and its keys' mapped reads answer UNAVAILABLE. Only the
     /// first call's hook counts.
     pub fn enable_mapped_reads(&self, hook: Arc<dyn mapped::MapHook>) -> Vec<Result<(), String>> {
+        if !matches!(
+            self.cfg.transport,
+            TransportChoice::Shm | TransportChoice::Auto
+        ) || self.shm_regions.is_none()
+        {
+            let why = "mapped reads need the same-host path (transport shm or auto)";
+            return vec![Err(why.to_string()); self.pools.len()];
+        }
         let m = self
             .mapped
             .get_or_init(|| mapped::MappedReads::new(self.pools.len(), hook));

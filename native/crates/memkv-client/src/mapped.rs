@@ -62,18 +62,16 @@ impl LaneMap {
                 std::io::Error::last_os_error()
             ));
         }
-        let m = LaneMap {
+        if let Err(e) = hook.mapped(p as usize, len) {
+            // SAFETY: the mapping made above; nobody else saw it.
+            unsafe { libc::munmap(p, len) };
+            return Err(e);
+        }
+        Ok(LaneMap {
             ptr: p as usize,
             len,
             hook: hook.clone(),
-        };
-        if let Err(e) = hook.mapped(m.ptr, len) {
-            // SAFETY: the mapping made above; nobody saw it.
-            unsafe { libc::munmap(p, len) };
-            std::mem::forget(m);
-            return Err(e);
-        }
-        Ok(m)
+        })
     }
 }
 
@@ -193,9 +191,9 @@ impl MappedReads {
                         (end <= lane.len as u64).then(|| (Status::Ok, lane.ptr + v.offset as usize))
                     })
                     .collect();
-                placed
-                    .map(|p| (pin, p))
-                    .ok_or_else(|| proto::ProtoError::Malformed("GET_MAPPED place outside its lane").into())
+                placed.map(|p| (pin, p)).ok_or_else(|| {
+                    proto::ProtoError::Malformed("GET_MAPPED place outside its lane").into()
+                })
             });
             match r {
                 Ok((pin, placed)) => {

@@ -62,7 +62,9 @@ fn put(c: &Client, key: &[u8], v: &[u8]) {
 }
 
 fn value(seed: u8, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect()
 }
 
 /// The bytes at `addr` (inside a mapping the client holds while the ticket lives).
@@ -76,7 +78,10 @@ fn values_are_read_in_place_and_held_through_overwrite_and_delete() {
     let s = server(true, 64 << 20);
     let c = client(&s);
     let hook = Arc::new(Hook::default());
-    assert!(c.enable_mapped_reads(hook.clone()).iter().all(|r| r.is_ok()));
+    assert!(c
+        .enable_mapped_reads(hook.clone())
+        .iter()
+        .all(|r| r.is_ok()));
     assert_eq!(hook.mapped.lock().unwrap().len(), 2, "one mapping per lane");
     let keys: Vec<Vec<u8>> = (0..8u8).map(|i| vec![b'k', i]).collect();
     let vals: Vec<Vec<u8>> = (0..8u8).map(|i| value(i, 300_000 + i as usize)).collect();
@@ -131,7 +136,10 @@ fn the_mapping_cannot_be_made_writable() {
     let s = server(true, 16 << 20);
     let c = client(&s);
     let hook = Arc::new(Hook::default());
-    assert!(c.enable_mapped_reads(hook.clone()).iter().all(|r| r.is_ok()));
+    assert!(c
+        .enable_mapped_reads(hook.clone())
+        .iter()
+        .all(|r| r.is_ok()));
     let (ptr, len) = hook.mapped.lock().unwrap()[0];
     // SAFETY: asking for write access to our own read-only mapping; it must be refused.
     let rc = unsafe {
@@ -141,7 +149,10 @@ fn the_mapping_cannot_be_made_writable() {
             libc::PROT_READ | libc::PROT_WRITE,
         )
     };
-    assert_eq!(rc, -1, "a client must not be able to write the server's values");
+    assert_eq!(
+        rc, -1,
+        "a client must not be able to write the server's values"
+    );
     assert_eq!(
         std::io::Error::last_os_error().raw_os_error(),
         Some(libc::EACCES)
@@ -153,7 +164,10 @@ fn a_release_after_the_connection_broke_says_the_pins_were_lost() {
     let s = server(true, 16 << 20);
     let c = client(&s);
     let hook = Arc::new(Hook::default());
-    assert!(c.enable_mapped_reads(hook.clone()).iter().all(|r| r.is_ok()));
+    assert!(c
+        .enable_mapped_reads(hook.clone())
+        .iter()
+        .all(|r| r.is_ok()));
     let v = value(3, 100_000);
     put(&c, b"k", &v);
     let (got, ticket) = c.get_mapped_by(&[b"k".to_vec()], &[v.len() as u64], c.deadline());

@@ -187,12 +187,18 @@ mod tests {
             len: 1 << 30,
             refused: None,
         };
-        assert_eq!(decode_shm_values_reply(&encode_shm_values_reply(&rep)).unwrap(), rep);
+        assert_eq!(
+            decode_shm_values_reply(&encode_shm_values_reply(&rep)).unwrap(),
+            rep
+        );
         let no = ShmValuesReply {
             refused: Some("off".into()),
             ..rep
         };
-        assert_eq!(decode_shm_values_reply(&encode_shm_values_reply(&no)).unwrap(), no);
+        assert_eq!(
+            decode_shm_values_reply(&encode_shm_values_reply(&no)).unwrap(),
+            no
+        );
         assert_eq!(decode_shm_values(&encode_shm_values(3)).unwrap(), 3);
         let vals = [
             MappedValue {
@@ -209,7 +215,10 @@ mod tests {
             },
         ];
         let body = encode_get_mapped_reply(9, &vals);
-        assert_eq!(decode_get_mapped_reply(&body, 2).unwrap(), (9, vals.to_vec()));
+        assert_eq!(
+            decode_get_mapped_reply(&body, 2).unwrap(),
+            (9, vals.to_vec())
+        );
         assert!(decode_get_mapped_reply(&body, 1).is_err());
         assert!(decode_get_mapped_reply(&body[..body.len() - 1], 2).is_err());
         assert_eq!(decode_shm_release(&encode_shm_release(7)).unwrap(), 7);

@@ -99,6 +99,48 @@ fn codes_lens<'py>(py: Python<'py>, v: &[(Status, u64)]) -> (Bound<'py, PyBytes>
 
 /// A finite, non-negative number of seconds as a Duration: ValueError otherwise (including
 /// values too large for a Duration), never a panic.
+/// A mapped read's statuses, addresses and ticket.
+type MappedRead<'py> = (Bound<'py, PyBytes>, Vec<usize>, u64);
+
+fn mapped_codes<'py>(py: Python<'py>, v: &[(Status, usize)]) -> Bound<'py, PyBytes> {
+    let b: Vec<u8> = v.iter().map(|(s, _)| *s as u8).collect();
+    PyBytes::new(py, &b)
+}
+
+fn mapped_read<'py>(py: Python<'py>, v: &[(Status, usize)], ticket: u64) -> MappedRead<'py> {
+    (
+        mapped_codes(py, v),
+        v.iter().map(|(_, a)| *a).collect(),
+        ticket,
+    )
+}
+
+/// The Python side of a `MapHook`: `register(ptr, nbytes)` when a server's memory is mapped
+/// (raising keeps it unused), `unregister(ptr, nbytes)` before it is unmapped.
+struct PyMapHook {
+    register: Py<PyAny>,
+    unregister: Py<PyAny>,
+}
+
+impl memkv_client::mapped::MapHook for PyMapHook {
+    fn mapped(&self, ptr: usize, len: usize) -> Result<(), String> {
+        Python::attach(|py| {
+            self.register
+                .call1(py, (ptr, len))
+                .map(drop)
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn unmapping(&self, ptr: usize, len: usize) {
+        Python::attach(|py| {
+            if let Err(e) = self.unregister.call1(py, (ptr, len)) {
+                tracing::warn!(error = %e, "memkv: unregistering a server mapping failed");
+            }
+        })
+    }
+}
+
 fn seconds(s: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(s)
         .map_err(|e| PyValueError::new_err(format!("{s} is not a usable number of seconds: {e}")))
@@ -318,6 +360,78 @@ impl PyClient {
         self.submit_transfer(keys, ptrs, sizes, owner, false, notify(queue, tag))
     }
 
+    /// Mapped reads from same-host servers started with --shm-share-values: maps each
+    /// server's memory now, calling `register(ptr, nbytes)` for each mapping (a GPU engine
+    /// registers it with CUDA; raising leaves it unused) and later `unregister(ptr, nbytes)`
+    /// before one goes. One entry per server: None when its memory is mapped, else why not.
+    fn enable_mapped_reads(
+        &self,
+        py: Python<'_>,
+        register: Py<PyAny>,
+        unregister: Py<PyAny>,
+    ) -> PyResult<Vec<Option<String>>> {
+        let hook = Arc::new(PyMapHook {
+            register,
+            unregister,
+        });
+        let c = &self.inner;
+        let r = py.detach(|| no_panic(|| c.enable_mapped_reads(hook)))?;
+        Ok(r.into_iter().map(|r| r.err()).collect())
+    }
+
+    /// A mapped read on the I/O threads: where each key's value (of the expected length in
+    /// `sizes`) lies in this process, pinned until `submit_release_mapped` of the op's ticket
+    /// (`Op.wait_mapped`). `queue` and `tag` as for submit_exists.
+    #[pyo3(signature = (keys, sizes, queue=None, tag=0))]
+    fn submit_get_mapped(
+        &self,
+        keys: Vec<Vec<u8>>,
+        sizes: Vec<u64>,
+        queue: Option<&PyCompletionQueue>,
+        tag: u64,
+    ) -> PyResult<PyOp> {
+        if keys.len() != sizes.len() {
+            return Err(PyValueError::new_err("one size per key"));
+        }
+        let by = self.inner.deadline();
+        Ok(PyOp {
+            op: self.inner.submit_to(
+                move |c| {
+                    let (v, t) = c.get_mapped_by(&keys, &sizes, by);
+                    OpResult::Mapped(v, t)
+                },
+                Lane::Urgent,
+                notify(queue, tag),
+            ),
+        })
+    }
+
+    /// Ends a mapped read's pins on the I/O threads: the op's one status is OK when the
+    /// servers held every value until now (what was copied out is what was stored),
+    /// UNAVAILABLE when not (fail those keys).
+    #[pyo3(signature = (ticket, queue=None, tag=0))]
+    fn submit_release_mapped(
+        &self,
+        ticket: u64,
+        queue: Option<&PyCompletionQueue>,
+        tag: u64,
+    ) -> PyOp {
+        PyOp {
+            op: self.inner.submit_to(
+                move |c| {
+                    let held = c.release_mapped(ticket);
+                    OpResult::Statuses(vec![if held {
+                        Status::Ok
+                    } else {
+                        Status::Unavailable
+                    }])
+                },
+                Lane::Urgent,
+                notify(queue, tag),
+            ),
+        }
+    }
+
     /// [(address, seconds or None, error or None)] per server.
     fn ping(&self, py: Python<'_>) -> PyResult<PerServer<f64>> {
         let c = &self.inner;
@@ -511,7 +625,25 @@ impl PyOp {
             None => None,
             Some(OpResult::Statuses(st)) => Some(codes(py, &st)),
             Some(OpResult::StatusLens(v)) => Some(exists_codes(py, &v)),
+            Some(OpResult::Mapped(v, _)) => Some(mapped_codes(py, &v)),
             Some(OpResult::Panicked(msg)) => return Err(internal_error(&msg)),
+        })
+    }
+
+    /// For mapped reads (`Client.submit_get_mapped`): (status codes as `bytes`, the address of
+    /// each Ok value, 0 for others, and the ticket to release), or None as for wait.
+    /// ValueError for other ops.
+    #[pyo3(signature = (timeout=None))]
+    fn wait_mapped<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<MappedRead<'py>>> {
+        Ok(match self.result(py, timeout)? {
+            None => None,
+            Some(OpResult::Mapped(v, t)) => Some(mapped_read(py, &v, t)),
+            Some(OpResult::Panicked(msg)) => return Err(internal_error(&msg)),
+            Some(_) => return Err(PyValueError::new_err("only mapped reads have addresses")),
         })
     }
 
@@ -526,7 +658,7 @@ impl PyOp {
         Ok(match self.result(py, timeout)? {
             None => None,
             Some(OpResult::StatusLens(v)) => Some(codes_lens(py, &v)),
-            Some(OpResult::Statuses(_)) => {
+            Some(OpResult::Statuses(_) | OpResult::Mapped(..)) => {
                 return Err(PyValueError::new_err("only EXISTS ops have lengths"))
             }
             Some(OpResult::Panicked(msg)) => return Err(internal_error(&msg)),

@@ -122,12 +122,7 @@ impl Region {
         let fd = self.fd.as_ref()?;
         let path = format!("/proc/self/fd/{}\0", fd.as_raw_fd());
         // SAFETY: open of a NUL-terminated path; the result is checked.
-        let r = unsafe {
-            libc::open(
-                path.as_ptr().cast(),
-                libc::O_RDONLY | libc::O_CLOEXEC,
-            )
-        };
+        let r = unsafe { libc::open(path.as_ptr().cast(), libc::O_RDONLY | libc::O_CLOEXEC) };
         Some(if r < 0 {
             Err(std::io::Error::last_os_error())
         } else {

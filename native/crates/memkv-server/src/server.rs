@@ -171,14 +171,12 @@ impl Server {
             tenants,
             share_values,
         )
-        .map_err(
-                |e| {
-                    io::Error::new(
-                        e.kind(),
-                        format!("--memory: cannot reserve {} bytes: {e}", cfg.memory),
-                    )
-                },
-            )?;
+        .map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("--memory: cannot reserve {} bytes: {e}", cfg.memory),
+            )
+        })?;
         if let Some(d) = &cfg.disk {
             store.attach_disk(DiskTier::open(d)?);
         }

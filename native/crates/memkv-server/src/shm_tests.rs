@@ -328,3 +328,139 @@ fn descriptors_passed_before_auth_are_not_kept() {
     srv.shutdown();
     srv.wait();
 }
+
+fn sharing_server() -> Server {
+    Server::start(ServerConfig {
+        listen: "127.0.0.1:0".into(),
+        memory: 32 << 20,
+        lanes: 1,
+        frame_timeout: Duration::from_secs(5),
+        shm: Some(crate::shm::ShmConfig {
+            share_values: true,
+            ..crate::shm::ShmConfig::default()
+        }),
+        ..ServerConfig::default()
+    })
+    .unwrap()
+}
+
+fn get_mapped(s: &mut UnixStream, key: &[u8], len: u64) -> Option<(u64, proto::MappedValue)> {
+    let (h, b) = call(
+        s,
+        Opcode::GetMapped,
+        0,
+        &proto::encode_key_lens(&[key], &[len]),
+        None,
+    )?;
+    (h.opcode == Opcode::GetMappedReply).then_some(())?;
+    let (pin, v) = proto::decode_get_mapped_reply(&b, 1).unwrap();
+    Some((pin, v[0]))
+}
+
+#[test]
+fn a_corrupt_value_read_in_place_answers_corrupt_and_pins_nothing() {
+    for len in [3 * proto::CHECKSUM_CHUNK + 5, (6 << 20) + 5] {
+        let srv = sharing_server();
+        let mem = Mem::new(16 << 20);
+        let val: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+        mem.write(0, &val);
+        let mut s = connect(&srv);
+        assert!(region(&mut s, 1, 16 << 20, Some(mem.fd.as_raw_fd())).0);
+        assert_eq!(put(&mut s, b"v", desc(1, 0, len as u64)), Some(Status::Ok));
+        let (pin, ok) = get_mapped(&mut s, b"v", len as u64).unwrap();
+        assert_eq!((ok.status, ok.len), (Status::Ok, len as u64));
+        assert_ne!(pin, 0);
+        let v = srv.store.fetch_verified(b"v").ok().unwrap();
+        v.span.corrupt_for_test(len - 3);
+        drop(v);
+        let (pin2, bad) = get_mapped(&mut s, b"v", len as u64).unwrap();
+        assert_eq!(
+            (pin2, bad.status),
+            (0, Status::Corrupt),
+            "no pin on a corrupt value"
+        );
+        assert!(srv.store.fetch_verified(b"v").is_err(), "dropped");
+        // The first read's pin is still held; releasing it twice finds it once.
+        let rel = |s: &mut UnixStream, p: u64| {
+            call(
+                s,
+                Opcode::ShmRelease,
+                0,
+                &proto::encode_shm_release(p),
+                None,
+            )
+            .unwrap()
+            .1
+        };
+        assert_eq!(rel(&mut s, pin), [1]);
+        assert_eq!(rel(&mut s, pin), [0]);
+        srv.shutdown();
+        srv.wait();
+    }
+}
+
+#[test]
+fn reads_in_place_need_the_option_and_the_unix_socket() {
+    let srv = server();
+    let mut s = connect(&srv);
+    let (h, b) = call(
+        &mut s,
+        Opcode::ShmValues,
+        0,
+        &proto::encode_shm_values(0),
+        None,
+    )
+    .unwrap();
+    assert_eq!(h.opcode, Opcode::ShmValuesReply);
+    let rep = proto::decode_shm_values_reply(&b).unwrap();
+    assert!(rep.refused.unwrap().contains("--shm-share-values"));
+    // A GET_MAPPED there is a protocol error: the connection closes after an error frame.
+    let (h, _) = call(
+        &mut s,
+        Opcode::GetMapped,
+        0,
+        &proto::encode_key_lens(&[b"k"], &[1]),
+        None,
+    )
+    .unwrap();
+    assert_eq!(h.opcode, Opcode::Error);
+    srv.shutdown();
+    srv.wait();
+    // Over TCP no descriptor can be passed: refused, the connection serves on.
+    let srv = sharing_server();
+    let mut t = std::net::TcpStream::connect(srv.addr).unwrap();
+    t.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut tcp_call = |op: Opcode, body: &[u8]| {
+        let mut frame = Header::new(op, 1, body.len(), 0).encode().to_vec();
+        frame.extend_from_slice(body);
+        t.write_all(&frame).unwrap();
+        let mut hb = [0u8; HEADER_LEN];
+        t.read_exact(&mut hb).unwrap();
+        let h = Header::decode(&hb).unwrap();
+        let mut b = vec![0u8; h.body_len as usize];
+        t.read_exact(&mut b).unwrap();
+        (h, b)
+    };
+    tcp_call(Opcode::Hello, &[]);
+    let (_, b) = tcp_call(Opcode::ShmValues, &proto::encode_shm_values(0));
+    let rep = proto::decode_shm_values_reply(&b).unwrap();
+    assert!(rep.refused.unwrap().contains("same-host socket"));
+    assert_eq!(tcp_call(Opcode::Ping, &[]).0.opcode, Opcode::Pong);
+    // A lane that does not exist is refused by name.
+    let mut s = connect(&srv);
+    let (_, b) = call(
+        &mut s,
+        Opcode::ShmValues,
+        0,
+        &proto::encode_shm_values(5),
+        None,
+    )
+    .unwrap();
+    assert!(proto::decode_shm_values_reply(&b)
+        .unwrap()
+        .refused
+        .unwrap()
+        .contains("no lane 5"));
+    srv.shutdown();
+    srv.wait();
+}

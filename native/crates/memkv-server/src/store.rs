@@ -5,15 +5,15 @@ use std::time::Duration;
 
 use memkv_proto::Status;
 
+use crate::arena::LaneMemory;
 use crate::disk::stats::DramCounters;
 use crate::disk::DiskTier;
-use crate::arena::LaneMemory;
 use crate::lane::{Lane, LaneStats, Pinned, Reservation, Value};
 use crate::metrics::Metrics;
 use crate::tenants::usage::Usage;
 use crate::tenants::{TenantId, Tenants};
-use std::sync::atomic::Ordering::Relaxed;
 use std::os::fd::OwnedFd;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 pub struct Store {
@@ -404,7 +404,7 @@ mod tests {
             read_only: false,
         };
         let tenants = Tenants::named(vec![t("a", 1, quota_a), t("b", 2, 1 << 30)]).unwrap();
-        Store::with_tenants(8 << 20, lanes, 0.5, tenants).unwrap()
+        Store::with_tenants(8 << 20, lanes, 0.5, tenants, false).unwrap()
     }
 
     fn put_as(s: &Store, t: TenantId, key: &str, len: u64) -> Status {

@@ -26,10 +26,9 @@ impl<T: Transport> Conn<'_, T> {
         let items = proto::decode_key_lens(body)?;
         let ctx = self.ctx;
         let Some(shared) = ctx.shm.as_deref().filter(|s| s.shares_values()) else {
-            return Err(ProtoError::Malformed(
-                "GET_MAPPED on a server without --shm-share-values",
-            )
-            .into());
+            return Err(
+                ProtoError::Malformed("GET_MAPPED on a server without --shm-share-values").into(),
+            );
         };
         let store = &*ctx.store;
         let miss = MappedValue {
@@ -48,7 +47,11 @@ impl<T: Transport> Conn<'_, T> {
         let (st, vals) = self.lookup(items.iter().map(|(k, n)| (*k, *n)));
         let mut out: Vec<MappedValue> = st
             .iter()
-            .map(|&(status, len)| MappedValue { status, len, ..miss })
+            .map(|&(status, len)| MappedValue {
+                status,
+                len,
+                ..miss
+            })
             .collect();
         let chunks: u64 = vals.iter().map(|(_, _, v)| v.chunks() as u64).sum();
         let Some(_chunk_share) = self.take(chunks * super::get::PER_CHUNK, deadline) else {
