@@ -12,7 +12,10 @@ and the ceilings: a pinned device<->host copy of the same bytes as one contiguou
 loopback TCP between threads of this process, over one connection (a sender and a receiver
 thread) and over --conns connections (the client's connection count; %min uses this one, the
 smaller of it and the pinned copy). Every figure is GB/s (10^9 bytes/s) of value bytes, best of
---repeat runs.
+--repeat runs. %H2D is the streamed load as a share of the pinned host-to-device copy: the
+ceiling of loads in place (a server started with `--server-args --shm-share-values` and
+`--transport shm`: the GPU copies straight out of the server's memory; the first `#` line says
+whether the offloader uses them).
 
 Layouts: `llama` = 32 layers x 8 KV heads x head_dim 128, bf16, 16-token blocks (2 MiB values),
 `mla` = 61 layers x one 576-wide bf16 latent (1.1 MiB values).
@@ -175,7 +178,7 @@ def main() -> None:
               f"{'pinH2D':>6} {'TCP1':>5} {'TCP' + str(a.conns):>5} | {'gather':>6} {'%':>3} "
               f"{'scat':>5} {'%':>3} {'subus':>5} | {'gathS':>5} {'%':>3} {'scatS':>5} {'%':>3} | "
               f"{'store':>5} {'load':>5} {'%min':>4} {'load1':>5} | {'storeS':>6} {'loadS':>5} "
-              f"{'%min':>4}")
+              f"{'%min':>4} {'%H2D':>4}")
         for layout in a.layouts.split(","):
             kv = make_kv(layout, 2 * max(sizes))
             vb = kv.value_bytes[0]
@@ -186,6 +189,8 @@ def main() -> None:
                 tcp1 = tcp_ceiling(nb, a.repeat, 1)
                 tcpn = tcp_ceiling(nb, a.repeat, a.conns)
                 off = offloader(srv.address, kv, medium, n, method, a)
+                if n == sizes[0]:
+                    print(f"# {off.describe()}", flush=True)
                 g, s, gs, ss, us = copy_only(off, n, a.repeat, a.stream)
                 tag = f"{layout}{medium}{method}{n}"
                 st, ld, ld1 = through_memkv(off, n, a.repeat, tag, 1)
@@ -198,7 +203,7 @@ def main() -> None:
                       f"{gs:>5.1f} {100 * gs / d2h:>3.0f} {ss:>5.1f} {100 * ss / h2d:>3.0f} | "
                       f"{st:>5.1f} {ld:>5.1f} "
                       f"{100 * min(st, ld) / floor:>4.0f} {ld1:>5.1f} | {sts:>6.1f} {lds:>5.1f} "
-                      f"{100 * min(sts, lds) / floor:>4.0f}", flush=True)
+                      f"{100 * min(sts, lds) / floor:>4.0f} {100 * lds / h2d:>4.0f}", flush=True)
     finally:
         srv.kill()
 
