@@ -50,9 +50,12 @@ _SLOT_ALIGN = 4096  # slots start on page boundaries: friendlier to DMA and to f
 # How long the I/O thread sleeps in one BlockStore.wait_any: a completion wakes it at once, this
 # only bounds how late it notices close().
 _IO_WAIT_S = 0.2
-# Loads in place: values per batch (one GET_MAPPED each), and batches in flight at once. No
-# scratch bounds them, so these do: the server's pins, and the scatters queued on the GPU.
+# Loads in place: at most this many values and bytes per batch (one GET_MAPPED each, at least
+# one value), and batches in flight at once. No scratch bounds them, so these do: what the
+# server holds pinned for this offloader (a few hundred MiB, well inside its lanes' bound on
+# pinned bytes), and the scatters queued on the GPU.
 _MAPPED_VALUES = 16
+_MAPPED_BYTES = 64 << 20
 _MAPPED_BATCHES = 8
 
 
@@ -302,8 +305,14 @@ class KVOffloader:
                 if self._mapped_open >= _MAPPED_BATCHES:
                     continue
                 job = q[0]
-                entries = [job.pending.popleft()
-                           for _ in range(min(_MAPPED_VALUES, len(job.pending)))]
+                entries: list[Entry] = []
+                nbytes = 0
+                while job.pending and len(entries) < _MAPPED_VALUES and (
+                        not entries
+                        or nbytes + self.kv.value_bytes[job.pending[0].group] <= _MAPPED_BYTES):
+                    e = job.pending.popleft()
+                    entries.append(e)
+                    nbytes += self.kv.value_bytes[e.group]
                 if not job.pending:
                     q.popleft()
                 self._mapped_open += 1
