@@ -442,7 +442,10 @@ class BlockStore:
             job.t_done = self._clock()
             self._done.put(job)
             return
-        step = 1 if kind == "release" else max(1, self.options.blocks_per_op)
+        # A load in place is one operation: its caller sized the batch (the server verifies
+        # and pins it in one request, and each operation costs a round trip on the connection
+        # that holds the pins).
+        step = {"release": 1, "mapped": max(1, n)}.get(kind, max(1, self.options.blocks_per_op))
         with self._cv:
             self._inflight += 1
             job.remaining = (n + step - 1) // step

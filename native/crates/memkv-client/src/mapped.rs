@@ -1,8 +1,9 @@
 //! Mapped reads: values read straight out of a same-host server's memory
 //! (`memkv serve --shm-share-values`), for a GPU to copy with one host-to-device copy.
 //!
-//! Per server the client keeps one connection of its own (outside the pool: its pins live on
-//! it) and a read-only mapping of each of the server's lanes (SHM_VALUES). `get` asks where the
+//! Per server the client keeps a few connections of its own (outside the pool: their pins live
+//! on them) and one read-only mapping of each of the server's lanes (SHM_VALUES; every
+//! connection's descriptor of a lane names the same file, mapped once). `get` asks where the
 //! values lie (GET_MAPPED); the server has verified them and holds them in place until
 //! `release`, whose answer says whether they were held throughout. Only then are the bytes a
 //! caller copied out of the mapping known to be the stored ones: a connection that broke in
@@ -15,7 +16,7 @@
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use memkv_proto as proto;
@@ -94,8 +95,55 @@ struct Side {
 
 struct Part {
     server: usize,
+    side: usize,
     gen: u64,
     pin: u64,
+}
+
+/// Kept connections per server: reads from several threads, and a release beside the next
+/// read, do not queue behind one another on one connection (the server verifies each read's
+/// values before it answers).
+const CONNS_PER_SERVER: usize = 4;
+
+/// A lane file, by device and inode: what every connection's descriptor of it names.
+type FileId = (u64, u64);
+
+/// One server: its kept connections and the lane mappings they share.
+struct Server {
+    sides: Vec<Mutex<Side>>,
+    maps: Mutex<HashMap<FileId, Weak<LaneMap>>>,
+}
+
+impl Server {
+    /// The live mapping of the file `fd` names, or a new one.
+    fn lane(
+        &self,
+        fd: &OwnedFd,
+        len: u64,
+        hook: &Arc<dyn MapHook>,
+    ) -> Result<Arc<LaneMap>, String> {
+        // SAFETY: fstat of a descriptor we own, into a local struct.
+        let id = unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::fstat(fd.as_raw_fd(), &mut st) != 0 {
+                return Err(format!(
+                    "cannot inspect the server's lane: {}",
+                    std::io::Error::last_os_error()
+                ));
+            }
+            (st.st_dev, st.st_ino)
+        };
+        let mut maps = self.maps.lock().unwrap();
+        if let Some(m) = maps.get(&id).and_then(Weak::upgrade) {
+            if m.len as u64 == len {
+                return Ok(m);
+            }
+        }
+        maps.retain(|_, w| w.strong_count() > 0);
+        let m = Arc::new(LaneMap::new(fd, len, hook)?);
+        maps.insert(id, Arc::downgrade(&m));
+        Ok(m)
+    }
 }
 
 /// What one `get` pinned: released together.
@@ -107,23 +155,37 @@ struct Ticket {
 
 pub struct MappedReads {
     hook: Arc<dyn MapHook>,
-    sides: Vec<Mutex<Side>>,
+    servers: Vec<Server>,
     tickets: Mutex<HashMap<u64, Ticket>>,
     next: AtomicU64,
+    /// Which kept connection the next read takes.
+    turn: AtomicU64,
 }
 
 impl MappedReads {
     pub fn new(servers: usize, hook: Arc<dyn MapHook>) -> MappedReads {
         MappedReads {
             hook,
-            sides: (0..servers).map(|_| Mutex::default()).collect(),
+            servers: (0..servers)
+                .map(|_| Server {
+                    sides: (0..CONNS_PER_SERVER).map(|_| Mutex::default()).collect(),
+                    maps: Mutex::default(),
+                })
+                .collect(),
             tickets: Mutex::default(),
             next: AtomicU64::new(1),
+            turn: AtomicU64::new(0),
         }
     }
 
-    /// Connects to server `s` and maps its lanes, unless that is done.
-    fn open(&self, side: &mut Side, pool: &Pool, deadline: Instant) -> Result<(), String> {
+    /// Connects `side` to its server and maps the server's lanes, unless that is done.
+    fn open(
+        &self,
+        server: &Server,
+        side: &mut Side,
+        pool: &Pool,
+        deadline: Instant,
+    ) -> Result<(), String> {
         if side.conn.is_some() {
             return Ok(());
         }
@@ -131,10 +193,10 @@ impl MappedReads {
         let mut conn = pool.connect_kept(deadline).map_err(|e| e.to_string())?;
         let broken = |pool: &Pool, e: ConnError| pool.fail_kept(e).to_string();
         let first = conn.shm_values(0).map_err(|e| broken(pool, e))??;
-        let mut lanes = vec![Arc::new(LaneMap::new(&first.1, first.0.len, &self.hook)?)];
+        let mut lanes = vec![server.lane(&first.1, first.0.len, &self.hook)?];
         for lane in 1..first.0.lanes {
             let (rep, fd) = conn.shm_values(lane).map_err(|e| broken(pool, e))??;
-            lanes.push(Arc::new(LaneMap::new(&fd, rep.len, &self.hook)?));
+            lanes.push(server.lane(&fd, rep.len, &self.hook)?);
         }
         side.gen += 1;
         side.lanes = lanes;
@@ -147,8 +209,8 @@ impl MappedReads {
     pub fn open_all(&self, pools: &[Pool], deadline: Instant) -> Vec<Result<(), String>> {
         pools
             .iter()
-            .zip(&self.sides)
-            .map(|(p, s)| self.open(&mut s.lock().unwrap(), p, deadline))
+            .zip(&self.servers)
+            .map(|(p, s)| self.open(s, &mut s.sides[0].lock().unwrap(), p, deadline))
             .collect()
     }
 
@@ -166,10 +228,12 @@ impl MappedReads {
         let mut out = vec![(Status::InvalidKey, 0usize); keys.len()];
         let mut parts = Vec::new();
         let mut held = Vec::new();
+        let turn = self.turn.fetch_add(1, Ordering::Relaxed) as usize % CONNS_PER_SERVER;
         for (s, idx) in groups {
-            let mut side = self.sides[s].lock().unwrap();
+            let server = &self.servers[s];
+            let mut side = server.sides[turn].lock().unwrap();
             let pool = &pools[s];
-            if let Err(why) = self.open(&mut side, pool, deadline) {
+            if let Err(why) = self.open(server, &mut side, pool, deadline) {
                 tracing::debug!(server = %pool.addr, reason = %why, "memkv mapped reads unavailable");
                 idx.iter().for_each(|&i| out[i] = (Status::Unavailable, 0));
                 continue;
@@ -201,6 +265,7 @@ impl MappedReads {
                     if pin != 0 {
                         parts.push(Part {
                             server: s,
+                            side: turn,
                             gen: side.gen,
                             pin,
                         });
@@ -238,7 +303,7 @@ impl MappedReads {
         };
         let mut all = true;
         for p in &t.parts {
-            let mut side = self.sides[p.server].lock().unwrap();
+            let mut side = self.servers[p.server].sides[p.side].lock().unwrap();
             if side.gen != p.gen {
                 all = false; // its connection is gone, and the pins with it
                 continue;
