@@ -39,8 +39,8 @@ Tier mode (MemKVTieringOffloadingSpec with the memkv tier) over the same two nod
 startup: its CPU pool is a /dev/shm file per host (test_tier_mode_refuses_an_engine_across_nodes
 says what it did before).
 
-Four starts of an engine over two nodes (the refused one, A, B and C) and the faults take about
-6 minutes on 2 cores, more while loaded: the suite runs only with MEMKV_E2E_MULTINODE=1 (not in
+Four starts of an engine over two nodes (the refused one, A, B and C) and the faults take 4.4
+minutes on 2 cores, more while loaded: the suite runs only with MEMKV_E2E_MULTINODE=1 (not in
 CI's test command, for its time), as root (namespaces), on the newest vLLM only unless
 MEMKV_E2E_EVERY_VERSION=1.
 """
@@ -78,7 +78,7 @@ from memkv_vllm.direct.keys import key_under  # noqa: E402
 
 newest_vllm_only("the multi-node end-to-end suite")
 if os.environ.get("MEMKV_E2E_MULTINODE") != "1":
-    pytest.skip("the multi-node suite takes 6 minutes on 2 cores: MEMKV_E2E_MULTINODE=1 "
+    pytest.skip("the multi-node suite takes 4.5 minutes on 2 cores: MEMKV_E2E_MULTINODE=1 "
                 "runs it", allow_module_level=True)
 _why = Hosts.available()
 if _why is not None:
