@@ -278,7 +278,8 @@ def chunk_keys(base: str, prompt: str, prefix: bytes) -> list[list[bytes]]:
 
 def run_on(keys: list[list[bytes]], placement: MemKVClient, server: str) -> int:
     """How many leading chunks have every rank's value on `server` (the client's placement):
-    what a lookup finds while the others' servers hold nothing of them (vLLM loads a prefix)."""
+    what loads where only `server` holds these chunks' values, the other servers none or gone
+    (a chunk hits only with every rank's value, and vLLM loads a prefix)."""
     run = 0
     while run < len(keys) and all(placement.server_of(k) == server for k in keys[run]):
         run += 1
