@@ -115,3 +115,44 @@ def test_a_worker_refuses_an_engine_across_nodes(spec, monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="this engine's workers run on 2 nodes"):
         spec.get_worker(kv)
     assert not os.path.exists(_pool_path(spec))
+
+
+@pytest.mark.skipif(not api().is_cpu_platform(), reason="builds the CPU platform's worker")
+def test_data_parallel_replicas_on_separate_nodes_are_served(spec, monkeypatch) -> None:
+    """An MoE engine with data parallelism: vLLM's world group, and so its node count, spans
+    every replica, but a replica's ranks and its scheduler (each replica has one) share the
+    nodes vLLM's multiprocessing executor gives that replica (`nnodes_within_dp`). Two replicas
+    on two nodes, one each (`--data-parallel-size 2 --data-parallel-size-local 1`, no `--nnodes`):
+    every worker shares its host's pool with its scheduler, and builds it. Two replicas of TP=2
+    over four nodes (`--nnodes 4`) span two nodes each and are refused; under other executors
+    (Ray's) the world's count stands (compat's node_count says why)."""
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    def replicas(**kw: Any) -> Any:
+        return VllmConfig(parallel_config=ParallelConfig(
+            data_parallel_size=2, data_parallel_size_local=1, **kw))
+
+    kv = _kv_caches(spec.cpu_page_size_per_worker // len(LAYERS))
+    monkeypatch.setattr(parallel_state, "_NODE_COUNT", 2)  # vLLM's probe over both replicas
+    with set_current_vllm_config(replicas(distributed_executor_backend="mp")):
+        assert api().node_count() == 1
+        worker = spec.get_worker(kv)
+    try:
+        assert os.path.exists(_pool_path(spec))
+    finally:
+        worker.shutdown()
+    # Ray's executor: the world's count. vLLM's config refuses to name it where Ray is not
+    # installed (as here), so the field is set past the config's validation.
+    ray = replicas(distributed_executor_backend="mp")
+    object.__setattr__(ray.parallel_config, "distributed_executor_backend", "ray")
+    with set_current_vllm_config(ray):
+        assert api().node_count() == 2
+    monkeypatch.setattr(parallel_state, "_NODE_COUNT", 4)  # `--nnodes 4`
+    spanning = tiering_spec(MemKVTieringOffloadingSpec)
+    with set_current_vllm_config(replicas(distributed_executor_backend="mp", nnodes=4,
+                                          tensor_parallel_size=2)):
+        assert api().node_count() == 2
+        with pytest.raises(RuntimeError, match="this engine's workers run on 2 nodes"):
+            spanning.get_worker(kv)
+    assert not os.path.exists(_pool_path(spanning))

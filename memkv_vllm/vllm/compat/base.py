@@ -390,19 +390,31 @@ class VllmAdapter(ABC):
         return bool(current_platform.is_cpu())
 
     def node_count(self) -> int | None:
-        """How many nodes vLLM counts this worker's engine on: its `--nnodes`, else the hosts
-        that its ranks found by probing for each other's shared memory (vLLM's own count, also
-        what turns its CPU shared-memory all-reduce off). None outside a worker's distributed
-        setup (the scheduler's process)."""
+        """How many nodes the ranks of this worker's engine replica (the ranks its scheduler
+        drives) run on. vLLM's own count (`get_node_count`: its `--nnodes`, else the hosts that
+        the ranks found by probing for each other's shared memory; also what turns its CPU
+        shared-memory all-reduce off) is over its world group, which for an MoE engine with
+        data parallelism spans every replica, each with a scheduler of its own on its own
+        nodes. With the multiprocessing executor, which starts a replica's workers on the nodes
+        vLLM gives that replica, the replica's count is the config's `nnodes_within_dp` (1
+        without `--nnodes`). Other executors (Ray) place workers where only every rank together
+        could tell, so there the world's count stands. Dense models' replicas are engines of
+        their own (vLLM resets their data-parallel size to 1): their world is the replica. None
+        outside a worker's distributed setup (the scheduler's process)."""
         from vllm.distributed import parallel_state
 
         count = getattr(parallel_state, "get_node_count", None)
         if count is None:  # a generation without the count: nothing to check against
             return None
         try:
-            return int(count())
+            nodes = int(count())
         except AssertionError:  # "distributed environment is not initialized"
             return None
+        pc = self._current_parallel_config()
+        if (nodes > 1 and pc is not None and getattr(pc, "data_parallel_size", 1) > 1
+                and getattr(pc, "distributed_executor_backend", None) in ("mp", "uni")):
+            return int(getattr(pc, "nnodes_within_dp", 1))
+        return nodes
 
     def tiering_spec_class(self) -> type:
         """vLLM's TieringOffloadingSpec (the class the CPU-platform spec derives from)."""
@@ -566,13 +578,21 @@ class VllmAdapter(ABC):
 
     def _current_model_config(self) -> Any:
         """The model config of the vLLM config in force, if one is (worker start-up sets it)."""
+        return self._current_config_part("model_config")
+
+    def _current_parallel_config(self) -> Any:
+        """The parallel config of the vLLM config in force, if one is."""
+        return self._current_config_part("parallel_config")
+
+    @staticmethod
+    def _current_config_part(name: str) -> Any:
         try:
             from vllm.config import get_current_vllm_config_or_none
 
             vc = get_current_vllm_config_or_none()
         except ImportError:
             return None
-        return None if vc is None else getattr(vc, "model_config", None)
+        return None if vc is None else getattr(vc, name, None)
 
 
 class PoolFile(NamedTuple):
