@@ -411,9 +411,11 @@ class VllmAdapter(ABC):
         except AssertionError:  # "distributed environment is not initialized"
             return None
         pc = self._current_parallel_config()
-        if (nodes > 1 and pc is not None and getattr(pc, "data_parallel_size", 1) > 1
+        within = getattr(pc, "nnodes_within_dp", None)
+        if (nodes > 1 and within is not None and getattr(pc, "data_parallel_size", 1) > 1
                 and getattr(pc, "distributed_executor_backend", None) in ("mp", "uni")):
-            return int(getattr(pc, "nnodes_within_dp", 1))
+            return int(within)
+        # A generation without the replica's count keeps the world's: stricter, never wrong.
         return nodes
 
     def tiering_spec_class(self) -> type:
