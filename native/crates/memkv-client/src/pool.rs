@@ -144,19 +144,7 @@ impl Pool {
             if st.open < self.cfg.max_connections {
                 st.open += 1;
                 drop(st);
-                let connect_by = deadline.min(Instant::now() + self.cfg.connect_timeout);
-                return match Conn::connect(
-                    &*self.cfg.transport,
-                    &self.addr,
-                    self.cfg.auth_key.as_deref(),
-                    connect_by,
-                ) {
-                    Ok(mut c) => {
-                        c.set_deadline(deadline);
-                        Ok(c)
-                    }
-                    Err(err) => Err(self.fail(err)),
-                };
+                return self.connect(deadline).map_err(|err| self.fail(err));
             }
             let now = Instant::now();
             if now >= deadline {
@@ -182,19 +170,20 @@ impl Pool {
                 });
             }
         }
+        self.connect(deadline).map_err(|err| self.fail_kept(err))
+    }
+
+    /// A new connection, its handshake bounded by the connect timeout, then by `deadline`.
+    fn connect(&self, deadline: Instant) -> Result<Conn, ConnError> {
         let connect_by = deadline.min(Instant::now() + self.cfg.connect_timeout);
-        match Conn::connect(
+        let mut c = Conn::connect(
             &*self.cfg.transport,
             &self.addr,
             self.cfg.auth_key.as_deref(),
             connect_by,
-        ) {
-            Ok(mut c) => {
-                c.set_deadline(deadline);
-                Ok(c)
-            }
-            Err(err) => Err(self.fail_kept(err)),
-        }
+        )?;
+        c.set_deadline(deadline);
+        Ok(c)
     }
 
     /// `fail` for a connection of `connect_kept`, which the pool does not count.

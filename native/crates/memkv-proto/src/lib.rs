@@ -4,6 +4,7 @@
 //! sockets. `docs/protocol.md` is the prose version.
 
 pub mod body;
+pub mod fd_passing;
 pub mod header;
 pub mod io;
 pub mod rdma;

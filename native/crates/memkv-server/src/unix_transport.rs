@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, Write};
 use std::net::Shutdown;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
@@ -39,82 +39,17 @@ impl UnixTransport {
 
     /// recvmsg into `buf`, keeping the descriptors that came with the bytes.
     fn recv(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        // Room for MAX_QUEUED_FDS descriptors (the kernel closes any that do not fit).
-        let mut cmsg = [0u64; 8];
-        let mut iov = libc::iovec {
-            iov_base: buf.as_mut_ptr().cast(),
-            iov_len: buf.len(),
-        };
-        // SAFETY: msghdr is plain data; zeroed is a valid empty header.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = cmsg.as_mut_ptr().cast();
-        // SAFETY: CMSG_SPACE only computes a size.
-        msg.msg_controllen =
-            unsafe { libc::CMSG_SPACE((MAX_QUEUED_FDS * size_of::<libc::c_int>()) as u32) }
-                as usize;
-        // SAFETY: msg points at `iov` (over `buf`) and `cmsg`, both live for the call.
-        let n = unsafe { libc::recvmsg(self.stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: the CMSG_* walk stays inside the control buffer the kernel filled.
-        unsafe {
-            let mut c = libc::CMSG_FIRSTHDR(&msg);
-            while !c.is_null() {
-                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                    let data = libc::CMSG_DATA(c).cast::<libc::c_int>();
-                    let count =
-                        ((*c).cmsg_len - libc::CMSG_LEN(0) as usize) / size_of::<libc::c_int>();
-                    for i in 0..count {
-                        let fd = OwnedFd::from_raw_fd(data.add(i).read_unaligned());
-                        if self.fds.len() < MAX_QUEUED_FDS {
-                            self.fds.push_back(fd);
-                        } // else dropped: closed
-                    }
-                }
-                c = libc::CMSG_NXTHDR(&msg, c);
-            }
-        }
-        Ok(n as usize)
+        let sock = self.stream.as_raw_fd();
+        memkv_proto::fd_passing::recv_with_fds(sock, buf, MAX_QUEUED_FDS, &mut self.fds)
     }
-}
 
-impl UnixTransport {
-    /// sendmsg of `parts` with the outgoing descriptors (SCM_RIGHTS), which go with its first
-    /// byte and are closed here once sent.
+    /// sendmsg of `parts` with the outgoing descriptors, which go with its first byte and are
+    /// closed here once sent.
     fn send_with_fds(&mut self, parts: &[IoSlice<'_>]) -> io::Result<usize> {
         let fds: Vec<libc::c_int> = self.outgoing.iter().map(|f| f.as_raw_fd()).collect();
-        let data_len = std::mem::size_of_val(&fds[..]) as u32;
-        // SAFETY: CMSG_SPACE only computes a size.
-        let space = unsafe { libc::CMSG_SPACE(data_len) } as usize;
-        let mut cmsg = vec![0u64; space.div_ceil(8)];
-        // SAFETY: msghdr is plain data; zeroed is a valid empty header.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = parts.as_ptr() as *mut libc::iovec;
-        msg.msg_iovlen = parts.len();
-        msg.msg_control = cmsg.as_mut_ptr().cast();
-        msg.msg_controllen = space;
-        // SAFETY: the control buffer has room for one header and `fds`; IoSlice is
-        // ABI-compatible with iovec; all buffers live for the call.
-        let n = unsafe {
-            let c = libc::CMSG_FIRSTHDR(&msg);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(data_len) as usize;
-            std::ptr::copy_nonoverlapping(
-                fds.as_ptr(),
-                libc::CMSG_DATA(c).cast::<libc::c_int>(),
-                fds.len(),
-            );
-            libc::sendmsg(self.stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
-        };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let n = memkv_proto::fd_passing::send_with_fds(self.stream.as_raw_fd(), parts, &fds)?;
         self.outgoing.clear();
-        Ok(n as usize)
+        Ok(n)
     }
 }
 
