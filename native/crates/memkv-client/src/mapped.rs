@@ -4,11 +4,12 @@
 //! Per server the client keeps a few connections of its own (outside the pool: their pins live
 //! on them) and one read-only mapping of each of the server's lanes (SHM_VALUES; every
 //! connection's descriptor of a lane names the same file, mapped once). `get` asks where the
-//! values lie (GET_MAPPED); the server has verified them and holds them in place until
-//! `release`, whose answer says whether they were held throughout. Only then are the bytes a
-//! caller copied out of the mapping known to be the stored ones: a connection that broke in
-//! between let the server free them, so such a release answers false and the caller must treat
-//! those keys as failed.
+//! values lie (GET_MAPPED); the server holds them in place until `release` and verifies their
+//! checksums meanwhile, and the release's answer says whether they were held throughout and
+//! intact. Only then are the bytes a caller copied out of the mapping known to be the stored
+//! ones: a connection that broke in between let the server free them, and a value that failed
+//! its checksums was dropped, so such a release answers false and the caller must treat those
+//! keys as failed.
 //!
 //! A mapping is handed to the caller's `MapHook` when made (a GPU engine registers it with
 //! CUDA) and before it goes; it goes once its connection is gone and no ticket uses it.

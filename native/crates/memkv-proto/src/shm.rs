@@ -21,10 +21,12 @@
 //! GET_MAPPED request:  the GET key table (count u32, count x (klen u16, key, expected_len u64))
 //! GET_MAPPED reply:    pin u64, count u32, count x (status u8, value_len u64, lane u32,
 //!                      offset u64): where each Ok value lies in its lane's memory; the values
-//!                      stay there, verified and unmoved, until SHM_RELEASE of `pin` or the
-//!                      connection's end
+//!                      stay there, unmoved, until SHM_RELEASE of `pin` or the connection's
+//!                      end, and are verified meanwhile
 //! SHM_RELEASE request: pin u64
-//! SHM_RELEASE reply:   held u8 (1: the pin set was held until this request, 0: unknown pin)
+//! SHM_RELEASE reply:   answer u8: 1 the pin set was held until now and every value matched
+//!                      its checksums, 2 a value did not (it is dropped), 0 unknown pin (or no
+//!                      verdict by the deadline): only 1 makes the client's copies count
 //! ```
 
 use std::net::SocketAddr;

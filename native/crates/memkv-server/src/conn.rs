@@ -381,7 +381,7 @@ impl<'a, T: Transport> Conn<'a, T> {
             Opcode::ShmRegion => self.shm_region(h, body),
             Opcode::ShmValues => self.shm_values(h, body),
             Opcode::GetMapped => self.get_mapped(h, body, deadline),
-            Opcode::ShmRelease => self.shm_release(h, body),
+            Opcode::ShmRelease => self.shm_release(h, body, deadline),
             Opcode::Put if h.flags & proto::FLAG_SHM != 0 => self.shm_put(h, body, deadline),
             Opcode::Get if h.flags & proto::FLAG_SHM != 0 => self.shm_get(h, body, deadline),
             Opcode::Put => self.put(h, body, deadline),

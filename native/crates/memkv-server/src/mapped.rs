@@ -10,17 +10,27 @@
 //! its bytes may have been overwritten, and fails those keys.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::lane::Pinned;
+use crate::shm_copy::Verdict;
 
 /// Pin sets one connection may hold at once: a client releases each as soon as its copy ends,
 /// so this only bounds one that forgets to.
 pub const MAX_PIN_SETS: usize = 256;
 
+/// The values one GET_MAPPED pinned, their keys, and their checksums' verdict (computed
+/// while the client copies; the release answers it).
+pub(crate) struct PinSet<'a> {
+    pub keys: Vec<Vec<u8>>,
+    pub values: Vec<Pinned<'a>>,
+    pub verdict: Arc<Verdict>,
+}
+
 /// One connection's pinned values, by the pin id its GET_MAPPED reply named.
 #[derive(Default)]
 pub(crate) struct MappedPins<'a> {
-    sets: HashMap<u64, Vec<Pinned<'a>>>,
+    sets: HashMap<u64, PinSet<'a>>,
     next: u64,
 }
 
@@ -30,18 +40,18 @@ impl<'a> MappedPins<'a> {
         self.sets.len() < MAX_PIN_SETS
     }
 
-    /// Holds `values` until `release` of the returned id (0 when there is nothing to hold).
-    pub fn hold(&mut self, values: Vec<Pinned<'a>>) -> u64 {
-        if values.is_empty() {
+    /// Holds `set` until `release` of the returned id (0 when there is nothing to hold).
+    pub fn hold(&mut self, set: PinSet<'a>) -> u64 {
+        if set.values.is_empty() {
             return 0;
         }
         self.next += 1;
-        self.sets.insert(self.next, values);
+        self.sets.insert(self.next, set);
         self.next
     }
 
-    /// Lets the pins of `id` go; false when no such set was held.
-    pub fn release(&mut self, id: u64) -> bool {
-        self.sets.remove(&id).is_some()
+    /// The set of `id`, taken out: its pins go when it drops. None when no such set was held.
+    pub fn release(&mut self, id: u64) -> Option<PinSet<'a>> {
+        self.sets.remove(&id)
     }
 }

@@ -16,7 +16,7 @@
 //! request's deadline is checked before each piece, as before.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
 
 use memkv_proto::CHECKSUM_CHUNK;
@@ -43,6 +43,34 @@ pub(crate) struct CopyJob {
 // a live client mapping) until `Copier::copy` returns; the pieces of one request never overlap.
 unsafe impl Send for CopyJob {}
 unsafe impl Sync for CopyJob {}
+
+/// Whether each value of a `verify_later` matched its checksums, once known.
+#[derive(Default)]
+pub(crate) struct Verdict {
+    intact: Mutex<Option<Vec<bool>>>,
+    known: Condvar,
+}
+
+impl Verdict {
+    fn set(&self, intact: Vec<bool>) {
+        *self.intact.lock().unwrap_or_else(|e| e.into_inner()) = Some(intact);
+        self.known.notify_all();
+    }
+
+    /// The verdict, waiting for it until `deadline`; None if it is not known by then.
+    pub fn wait(&self, deadline: Instant) -> Option<Vec<bool>> {
+        let mut g = self.intact.lock().unwrap_or_else(|e| e.into_inner());
+        while g.is_none() {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            g = self
+                .known
+                .wait_timeout(g, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        g.clone()
+    }
+}
 
 /// A request ran out of time before all its pieces were copied.
 #[derive(Debug)]
@@ -142,6 +170,35 @@ impl Copier {
             None => chunks.iter().for_each(check),
         }
         corrupt.iter().map(|c| !c.load(Ordering::Relaxed)).collect()
+    }
+
+    /// `verify` of `values` while the caller goes on: on the pool for a big request (the verdict
+    /// arrives in the returned `Verdict`), else here, before returning.
+    pub fn verify_later(&self, values: Vec<Arc<Value>>) -> Arc<Verdict> {
+        let verdict = Arc::new(Verdict::default());
+        let bytes: usize = values.iter().map(|v| v.chunks() * CHECKSUM_CHUNK).sum();
+        let Some(pool) = self.pool_for(bytes) else {
+            let refs: Vec<&Value> = values.iter().map(|v| &**v).collect();
+            verdict.set(self.verify(&refs));
+            return verdict;
+        };
+        let (v, out) = (values, verdict.clone());
+        pool.spawn(move || {
+            let refs: Vec<&Value> = v.iter().map(|v| &**v).collect();
+            let corrupt: Vec<AtomicBool> = refs.iter().map(|_| AtomicBool::new(false)).collect();
+            let chunks: Vec<(usize, usize)> = refs
+                .iter()
+                .enumerate()
+                .flat_map(|(i, v)| (1..v.chunks()).map(move |c| (i, c)))
+                .collect();
+            chunks.par_iter().for_each(|&(i, c)| {
+                if !corrupt[i].load(Ordering::Relaxed) && !refs[i].chunk_ok(c) {
+                    corrupt[i].store(true, Ordering::Relaxed);
+                }
+            });
+            out.set(corrupt.iter().map(|c| !c.load(Ordering::Relaxed)).collect());
+        });
+        verdict
     }
 
     /// `memkv_proto::chunk_checksums(data)`, its chunks hashed over the pool when `data` is big.

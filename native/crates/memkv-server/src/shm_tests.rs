@@ -358,7 +358,8 @@ fn get_mapped(s: &mut UnixStream, key: &[u8], len: u64) -> Option<(u64, proto::M
 }
 
 #[test]
-fn a_corrupt_value_read_in_place_answers_corrupt_and_pins_nothing() {
+fn a_corrupt_value_read_in_place_fails_its_release_and_is_dropped() {
+    // Checked on the connection's thread, and by the copy pool while the client copies.
     for len in [3 * proto::CHECKSUM_CHUNK + 5, (6 << 20) + 5] {
         let srv = sharing_server();
         let mem = Mem::new(16 << 20);
@@ -366,21 +367,6 @@ fn a_corrupt_value_read_in_place_answers_corrupt_and_pins_nothing() {
         mem.write(0, &val);
         let mut s = connect(&srv);
         assert!(region(&mut s, 1, 16 << 20, Some(mem.fd.as_raw_fd())).0);
-        assert_eq!(put(&mut s, b"v", desc(1, 0, len as u64)), Some(Status::Ok));
-        let (pin, ok) = get_mapped(&mut s, b"v", len as u64).unwrap();
-        assert_eq!((ok.status, ok.len), (Status::Ok, len as u64));
-        assert_ne!(pin, 0);
-        let v = srv.store.fetch_verified(b"v").ok().unwrap();
-        v.span.corrupt_for_test(len - 3);
-        drop(v);
-        let (pin2, bad) = get_mapped(&mut s, b"v", len as u64).unwrap();
-        assert_eq!(
-            (pin2, bad.status),
-            (0, Status::Corrupt),
-            "no pin on a corrupt value"
-        );
-        assert!(srv.store.fetch_verified(b"v").is_err(), "dropped");
-        // The first read's pin is still held; releasing it twice finds it once.
         let rel = |s: &mut UnixStream, p: u64| {
             call(
                 s,
@@ -392,8 +378,34 @@ fn a_corrupt_value_read_in_place_answers_corrupt_and_pins_nothing() {
             .unwrap()
             .1
         };
+        // Intact: released once as held and intact, then unknown.
+        assert_eq!(put(&mut s, b"ok", desc(1, 0, len as u64)), Some(Status::Ok));
+        let (pin, v) = get_mapped(&mut s, b"ok", len as u64).unwrap();
+        assert_eq!((v.status, v.len), (Status::Ok, len as u64));
+        assert_ne!(pin, 0);
         assert_eq!(rel(&mut s, pin), [1]);
         assert_eq!(rel(&mut s, pin), [0]);
+        // Corrupt in its last chunk (the lookup checks only the first): the read is answered,
+        // its release says the copy does not count, and the value is gone.
+        assert_eq!(put(&mut s, b"v", desc(1, 0, len as u64)), Some(Status::Ok));
+        let v = srv.store.fetch_verified(b"v").ok().unwrap();
+        v.span.corrupt_for_test(len - 3);
+        drop(v);
+        let (pin, v) = get_mapped(&mut s, b"v", len as u64).unwrap();
+        assert_eq!(v.status, Status::Ok);
+        assert_eq!(rel(&mut s, pin), [2], "{len} bytes");
+        assert!(srv.store.fetch_verified(b"v").is_err(), "dropped");
+        assert_eq!(
+            get_mapped(&mut s, b"v", len as u64).unwrap().1.status,
+            Status::NotFound
+        );
+        // Corrupt in its first chunk: CORRUPT at once, nothing pinned.
+        assert_eq!(put(&mut s, b"w", desc(1, 0, len as u64)), Some(Status::Ok));
+        let w = srv.store.fetch_verified(b"w").ok().unwrap();
+        w.span.corrupt_for_test(1);
+        drop(w);
+        let (pin, w) = get_mapped(&mut s, b"w", len as u64).unwrap();
+        assert_eq!((pin, w.status), (0, Status::Corrupt));
         srv.shutdown();
         srv.wait();
     }

@@ -1,10 +1,12 @@
-//! GET_MAPPED (`--shm-share-values`): the key lookup, pins, leases and checks of every GET, then,
-//! instead of the bytes, where each hit lies in its lane's memory, which the client maps
-//! read-only (SHM_VALUES) and copies from itself (a GPU: one host-to-device copy out of the
-//! server's pages). Every chunk of every hit is verified before the reply, as a GET verifies
-//! before it sends: a mismatch answers CORRUPT and drops the value. The hits stay pinned until
-//! the client's SHM_RELEASE or the connection's end (`crate::mapped`); a connection already
-//! holding `MAX_PIN_SETS` answers NOT_FOUND for everything, unlooked-up.
+//! GET_MAPPED (`--shm-share-values`): the key lookup, pins and leases of every GET, then, instead
+//! of the bytes, where each hit lies in its lane's memory, which the client maps read-only
+//! (SHM_VALUES) and copies from itself (a GPU: one host-to-device copy out of the server's
+//! pages). The first chunk of each hit is checked by the lookup (a mismatch answers CORRUPT);
+//! the others are verified on the copy pool while the client copies, and the client's
+//! SHM_RELEASE answers the verdict: a value that failed is dropped and the client's copy of it
+//! does not count (what a GET does by checking before it sends, without the GPU waiting for the
+//! CPU). The hits stay pinned until that release or the connection's end (`crate::mapped`); a
+//! connection already holding `MAX_PIN_SETS` answers NOT_FOUND for everything, unlooked-up.
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -12,7 +14,7 @@ use std::time::Instant;
 use memkv_proto::{self as proto, Header, MappedValue, ProtoError, Status};
 
 use crate::conn::{Conn, End};
-use crate::lane::Value;
+use crate::mapped::PinSet;
 use crate::transport::Transport;
 
 impl<T: Transport> Conn<'_, T> {
@@ -53,23 +55,10 @@ impl<T: Transport> Conn<'_, T> {
                 ..miss
             })
             .collect();
-        let chunks: u64 = vals.iter().map(|(_, _, v)| v.chunks() as u64).sum();
-        let Some(_chunk_share) = self.take(chunks * super::get::PER_CHUNK, deadline) else {
-            return Err(self.busy());
-        };
-        let values: Vec<&Value> = vals.iter().map(|(_, _, v)| &*v.value).collect();
-        let intact = shared.copier().verify(&values);
         let mut held = Vec::with_capacity(vals.len());
+        let mut keys = Vec::with_capacity(vals.len());
         let mut sent = 0u64;
-        for ((i, key, v), intact) in vals.into_iter().zip(intact) {
-            if !intact {
-                store.drop_corrupt(key, &v);
-                out[i] = MappedValue {
-                    status: Status::Corrupt,
-                    ..miss
-                };
-                continue;
-            }
+        for (i, key, v) in vals {
             let Some((lane, offset)) = store.lane_at(v.span.as_slice().as_ptr() as usize) else {
                 // Not in a lane's memory (nothing puts it elsewhere today): not mappable.
                 out[i] = miss;
@@ -78,10 +67,18 @@ impl<T: Transport> Conn<'_, T> {
             out[i].lane = lane;
             out[i].offset = offset;
             sent += v.span.len();
+            keys.push(key.to_vec());
             held.push(v);
         }
         store.metrics.bytes_out.fetch_add(sent, Ordering::Relaxed);
-        let pin = self.pins.hold(held);
+        let verdict = shared
+            .copier()
+            .verify_later(held.iter().map(|v| v.value.clone()).collect());
+        let pin = self.pins.hold(PinSet {
+            keys,
+            values: held,
+            verdict,
+        });
         self.reply(h, &proto::encode_get_mapped_reply(pin, &out))
     }
 }
