@@ -135,7 +135,7 @@ struct ServeArgs {
     /// straight out of the server's pages (direct mode's loads) instead of the server copying
     /// it into the client's buffer first. Every such client can then read every value in the
     /// server: for a host whose engines are one tenant. Refused with --tenants of more than one.
-    #[arg(long, env = "MEMKV_SHM_SHARE_VALUES")]
+    #[arg(long, env = "MEMKV_SHM_SHARE_VALUES", hide_env_values = true)]
     shm_share_values: bool,
     #[command(flatten)]
     rdma: RdmaArgs,
