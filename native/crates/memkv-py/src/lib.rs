@@ -124,20 +124,22 @@ struct PyMapHook {
 
 impl memkv_client::mapped::MapHook for PyMapHook {
     fn mapped(&self, ptr: usize, len: usize) -> Result<(), String> {
-        Python::attach(|py| {
+        Python::try_attach(|py| {
             self.register
                 .call1(py, (ptr, len))
                 .map(drop)
                 .map_err(|e| e.to_string())
         })
+        .unwrap_or_else(|| Err("the Python interpreter is shutting down".into()))
     }
 
+    /// At interpreter shutdown nothing can be called: the registration goes with the process.
     fn unmapping(&self, ptr: usize, len: usize) {
-        Python::attach(|py| {
+        Python::try_attach(|py| {
             if let Err(e) = self.unregister.call1(py, (ptr, len)) {
                 tracing::warn!(error = %e, "memkv: unregistering a server mapping failed");
             }
-        })
+        });
     }
 }
 
