@@ -40,9 +40,9 @@ startup: its CPU pool is a /dev/shm file per host (test_tier_mode_refuses_an_eng
 says what it did before).
 
 Four starts of an engine over two nodes (the refused one, A, B and C) and the faults take 4.4
-minutes on 2 cores, more while loaded: the suite runs only with MEMKV_E2E_MULTINODE=1 (not in
-CI's test command, for its time), as root (namespaces), on the newest vLLM only unless
-MEMKV_E2E_EVERY_VERSION=1.
+minutes on 2 cores, more while loaded: the suite runs with MEMKV_E2E_MULTINODE=1, which the test
+command (scripts/test.sh) sets for the newest vLLM venv, as root (namespaces); a bare pytest run
+skips it, and it runs on the newest vLLM only unless MEMKV_E2E_EVERY_VERSION=1.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ from memkv_vllm.direct.keys import key_under  # noqa: E402
 newest_vllm_only("the multi-node end-to-end suite")
 if os.environ.get("MEMKV_E2E_MULTINODE") != "1":
     pytest.skip("the multi-node suite takes 4.5 minutes on 2 cores: MEMKV_E2E_MULTINODE=1 "
-                "runs it", allow_module_level=True)
+                "runs it (scripts/test.sh sets it)", allow_module_level=True)
 _why = Hosts.available()
 if _why is not None:
     pytest.skip(f"the multi-node suite puts each node in a network namespace: {_why}",
