@@ -11,6 +11,8 @@ from layouts import LAYOUTS, block_bytes
 
 from memkv_vllm.core.client import MemKVClient
 from memkv_vllm.core.config import load_config
+from memkv_vllm.core.store import BlockStore, StoreOptions
+from memkv_vllm.offload import KVOffloader
 
 
 def server_maps_scratch(srv) -> bool:
@@ -83,3 +85,39 @@ def test_loads_stay_in_scratch_without_shared_values(memkv_server):
     assert "loads in place off" in off.describe()
     assert "--shm-share-values" in off.describe()
     off.close()
+
+
+class _ServerGoneBeforeRelease:
+    """The real block store, whose server is killed just before a load in place releases its
+    pins: the moment a restarted, killed or cut-off server would take them."""
+
+    def __init__(self, store: BlockStore, server) -> None:
+        self._store, self._server = store, server
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def submit_release(self, job_id: int, tickets) -> None:
+        self._server.kill()
+        self._store.submit_release(job_id, tickets)
+
+
+def test_a_load_in_place_whose_pins_were_lost_fails_its_blocks(memkv_server_factory):
+    srv = memkv_server_factory(memory="64M", lanes=2, extra=["--shm-share-values"])
+    kv = LAYOUTS[sorted(LAYOUTS)[0]](32, "cpu")
+    writer = in_place_offloader(srv.address, kv)
+    src, dst = [2, 3], [10, 11]
+    assert run(writer, 1, entries(b"lost", 0, src), load=False).ok
+    writer.close()
+    client = MemKVClient.from_config(load_config({"servers": [srv.address], "transport": "shm",
+                                                  "op_timeout_s": 5}))
+    store = _ServerGoneBeforeRelease(BlockStore(client, StoreOptions()), srv)
+    slot = -(-kv.max_value_bytes // 4096) * 4096
+    reader = KVOffloader(kv, store, scratch_bytes=8 * slot)  # type: ignore[arg-type]
+    assert "loads in place on" in reader.describe()
+    r = run(reader, 2, [e.__class__(e.key, 0, (d,)) for e, d in
+                        zip(entries(b"lost", 0, src), dst, strict=True)], load=True)
+    assert srv.proc.poll() is not None, "the values arrived and their release was sent"
+    # The blocks may hold the bytes, but nothing vouches for them once the pins are gone.
+    assert not r.ok and sorted(r.failed_block_ids) == dst
+    reader.close()
