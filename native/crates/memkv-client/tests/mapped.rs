@@ -52,6 +52,18 @@ impl MapHook for Hook {
     }
 }
 
+/// A server sharing its values and a client reading them in place, with its hook.
+fn in_place(memory: u64) -> (Server, Arc<Client>, Arc<Hook>) {
+    let s = server(true, memory);
+    let c = client(&s);
+    let hook = Arc::new(Hook::default());
+    assert!(c
+        .enable_mapped_reads(hook.clone())
+        .iter()
+        .all(|r| r.is_ok()));
+    (s, c, hook)
+}
+
 fn put(c: &Client, key: &[u8], v: &[u8]) {
     let b = Buf {
         ptr: v.as_ptr() as usize,
@@ -75,13 +87,7 @@ fn at(addr: usize, len: usize) -> Vec<u8> {
 
 #[test]
 fn values_are_read_in_place_and_held_through_overwrite_and_delete() {
-    let s = server(true, 64 << 20);
-    let c = client(&s);
-    let hook = Arc::new(Hook::default());
-    assert!(c
-        .enable_mapped_reads(hook.clone())
-        .iter()
-        .all(|r| r.is_ok()));
+    let (_s, c, hook) = in_place(64 << 20);
     assert_eq!(hook.mapped.lock().unwrap().len(), 2, "one mapping per lane");
     let keys: Vec<Vec<u8>> = (0..8u8).map(|i| vec![b'k', i]).collect();
     let vals: Vec<Vec<u8>> = (0..8u8).map(|i| value(i, 300_000 + i as usize)).collect();
@@ -113,12 +119,7 @@ fn values_are_read_in_place_and_held_through_overwrite_and_delete() {
 
 #[test]
 fn pinned_values_survive_eviction_until_released() {
-    let s = server(true, 16 << 20);
-    let c = client(&s);
-    assert!(c
-        .enable_mapped_reads(Arc::new(Hook::default()))
-        .iter()
-        .all(|r| r.is_ok()));
+    let (_s, c, _) = in_place(16 << 20);
     let v = value(7, 1 << 20);
     put(&c, b"pinned", &v);
     let (got, ticket) = c.get_mapped_by(&[b"pinned".to_vec()], &[v.len() as u64], c.deadline());
@@ -133,13 +134,7 @@ fn pinned_values_survive_eviction_until_released() {
 
 #[test]
 fn the_mapping_cannot_be_made_writable() {
-    let s = server(true, 16 << 20);
-    let c = client(&s);
-    let hook = Arc::new(Hook::default());
-    assert!(c
-        .enable_mapped_reads(hook.clone())
-        .iter()
-        .all(|r| r.is_ok()));
+    let (_s, _c, hook) = in_place(16 << 20);
     let (ptr, len) = hook.mapped.lock().unwrap()[0];
     // SAFETY: asking for write access to our own read-only mapping; it must be refused.
     let rc = unsafe {
@@ -161,13 +156,7 @@ fn the_mapping_cannot_be_made_writable() {
 
 #[test]
 fn a_release_after_the_connection_broke_says_the_pins_were_lost() {
-    let s = server(true, 16 << 20);
-    let c = client(&s);
-    let hook = Arc::new(Hook::default());
-    assert!(c
-        .enable_mapped_reads(hook.clone())
-        .iter()
-        .all(|r| r.is_ok()));
+    let (s, c, hook) = in_place(16 << 20);
     let v = value(3, 100_000);
     put(&c, b"k", &v);
     let (got, ticket) = c.get_mapped_by(&[b"k".to_vec()], &[v.len() as u64], c.deadline());

@@ -44,6 +44,28 @@ pub(crate) struct CopyJob {
 unsafe impl Send for CopyJob {}
 unsafe impl Sync for CopyJob {}
 
+/// Whether each value's chunks after the first (which the lookup checked) match their
+/// checksums; `parallel`: over the rayon pool the caller runs in.
+fn intact(values: &[&Value], parallel: bool) -> Vec<bool> {
+    let corrupt: Vec<AtomicBool> = values.iter().map(|_| AtomicBool::new(false)).collect();
+    let chunks: Vec<(usize, usize)> = values
+        .iter()
+        .enumerate()
+        .flat_map(|(i, v)| (1..v.chunks()).map(move |c| (i, c)))
+        .collect();
+    let check = |&(i, c): &(usize, usize)| {
+        if !corrupt[i].load(Ordering::Relaxed) && !values[i].chunk_ok(c) {
+            corrupt[i].store(true, Ordering::Relaxed);
+        }
+    };
+    if parallel {
+        chunks.par_iter().for_each(check);
+    } else {
+        chunks.iter().for_each(check);
+    }
+    corrupt.iter().map(|c| !c.load(Ordering::Relaxed)).collect()
+}
+
 /// Whether each value of a `verify_later` matched its checksums, once known.
 #[derive(Default)]
 pub(crate) struct Verdict {
@@ -154,22 +176,11 @@ impl Copier {
     /// checksums. The pool checks a big request's chunks together: one thread hashing them in
     /// turn before the copies started took as long as the copies.
     pub fn verify(&self, values: &[&Value]) -> Vec<bool> {
-        let corrupt: Vec<AtomicBool> = values.iter().map(|_| AtomicBool::new(false)).collect();
-        let chunks: Vec<(usize, usize)> = values
-            .iter()
-            .enumerate()
-            .flat_map(|(i, v)| (1..v.chunks()).map(move |c| (i, c)))
-            .collect();
-        let check = |&(i, c): &(usize, usize)| {
-            if !corrupt[i].load(Ordering::Relaxed) && !values[i].chunk_ok(c) {
-                corrupt[i].store(true, Ordering::Relaxed);
-            }
-        };
-        match self.pool_for(chunks.len() * CHECKSUM_CHUNK) {
-            Some(pool) => pool.install(|| chunks.par_iter().for_each(check)),
-            None => chunks.iter().for_each(check),
+        let bytes: usize = values.iter().map(|v| v.chunks() * CHECKSUM_CHUNK).sum();
+        match self.pool_for(bytes) {
+            Some(pool) => pool.install(|| intact(values, true)),
+            None => intact(values, false),
         }
-        corrupt.iter().map(|c| !c.load(Ordering::Relaxed)).collect()
     }
 
     /// `verify` of `values` while the caller goes on: on the pool for a big request (the verdict
@@ -185,18 +196,7 @@ impl Copier {
         let (v, out) = (values, verdict.clone());
         pool.spawn(move || {
             let refs: Vec<&Value> = v.iter().map(|v| &**v).collect();
-            let corrupt: Vec<AtomicBool> = refs.iter().map(|_| AtomicBool::new(false)).collect();
-            let chunks: Vec<(usize, usize)> = refs
-                .iter()
-                .enumerate()
-                .flat_map(|(i, v)| (1..v.chunks()).map(move |c| (i, c)))
-                .collect();
-            chunks.par_iter().for_each(|&(i, c)| {
-                if !corrupt[i].load(Ordering::Relaxed) && !refs[i].chunk_ok(c) {
-                    corrupt[i].store(true, Ordering::Relaxed);
-                }
-            });
-            out.set(corrupt.iter().map(|c| !c.load(Ordering::Relaxed)).collect());
+            out.set(intact(&refs, true));
         });
         verdict
     }
