@@ -124,18 +124,8 @@ impl Pool {
     pub fn acquire(&self, deadline: Instant) -> Result<Conn, PoolError> {
         let mut st = self.state.lock().unwrap();
         loop {
-            if let Some(t) = st.down_until {
-                let now = Instant::now();
-                if now < t {
-                    return Err(PoolError::Down {
-                        addr: self.addr.clone(),
-                        left_ms: (t - now).as_millis() as u64,
-                        why: st
-                            .last_failure
-                            .as_ref()
-                            .map_or_else(String::new, |f| f.reason.clone()),
-                    });
-                }
+            if let Some(down) = self.down(&st) {
+                return Err(down);
             }
             if let Some(mut c) = st.idle.pop() {
                 c.set_deadline(deadline);
@@ -160,17 +150,24 @@ impl Pool {
     /// one connection), outside the pool's count; fails at once while the server is down.
     /// Its failures go to `fail_kept`.
     pub fn connect_kept(&self, deadline: Instant) -> Result<Conn, PoolError> {
-        if let Some(t) = self.state.lock().unwrap().down_until {
-            let now = Instant::now();
-            if now < t {
-                return Err(PoolError::Down {
-                    addr: self.addr.clone(),
-                    left_ms: (t - now).as_millis() as u64,
-                    why: String::new(),
-                });
-            }
+        if let Some(down) = self.down(&self.state.lock().unwrap()) {
+            return Err(down);
         }
         self.connect(deadline).map_err(|err| self.fail_kept(err))
+    }
+
+    /// The error for a request while the server is marked down (until its backoff expires).
+    fn down(&self, st: &State) -> Option<PoolError> {
+        let now = Instant::now();
+        let t = st.down_until.filter(|t| now < *t)?;
+        Some(PoolError::Down {
+            addr: self.addr.clone(),
+            left_ms: (t - now).as_millis() as u64,
+            why: st
+                .last_failure
+                .as_ref()
+                .map_or_else(String::new, |f| f.reason.clone()),
+        })
     }
 
     /// A new connection, its handshake bounded by the connect timeout, then by `deadline`.
@@ -188,8 +185,7 @@ impl Pool {
 
     /// `fail` for a connection of `connect_kept`, which the pool does not count.
     pub fn fail_kept(&self, err: ConnError) -> PoolError {
-        self.state.lock().unwrap().open += 1;
-        self.fail(err)
+        self.failed(err, false)
     }
 
     /// Returns a connection whose last request succeeded; the server answers, so it is up.
@@ -222,10 +218,17 @@ impl Pool {
     /// Drops the connection `err` happened on (its stream is in an unknown state) and marks the
     /// server down when the error is a transport failure.
     pub fn fail(&self, err: ConnError) -> PoolError {
+        self.failed(err, true)
+    }
+
+    /// `fail`; `counted`: the connection was one of the pool's `open` ones.
+    fn failed(&self, err: ConnError, counted: bool) -> PoolError {
         let status = err.status();
         let reason = err.to_string();
         let mut st = self.state.lock().unwrap();
-        st.open -= 1;
+        if counted {
+            st.open -= 1;
+        }
         let was_up = st.up;
         let backoff = st.backoff;
         if err.marks_down() {
