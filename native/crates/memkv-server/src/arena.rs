@@ -278,11 +278,6 @@ impl Span {
         self.len == 0
     }
 
-    /// Where the span starts in its lane's memory.
-    pub fn offset(&self) -> u64 {
-        self.off
-    }
-
     /// The span's memory including its rounding past `len`: `cap` bytes, for a direct read
     /// that must cover whole blocks.
     pub fn as_mut_ptr_cap(&mut self) -> (*mut u8, usize) {

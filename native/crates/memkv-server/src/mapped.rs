@@ -6,8 +6,9 @@
 //! from the index, but its span (and the bytes the client is copying) lives as long as a pin
 //! holds it, and it counts against its lane's pinned-bytes bound like a value being sent over
 //! TCP. A client that dies mid-copy releases its pins with its connection. The release answers
-//! whether the pins were still held, so a client whose connection broke while it copied knows
-//! its bytes may have been overwritten, and fails those keys.
+//! whether the pins were still held and the values matched their checksums (verified while the
+//! client copied), so a client whose connection broke while it copied knows its bytes may have
+//! been overwritten, and fails those keys, as it fails those of a corrupt value.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -44,6 +44,11 @@ pub(crate) struct CopyJob {
 unsafe impl Send for CopyJob {}
 unsafe impl Sync for CopyJob {}
 
+/// The bytes a check of `values`' chunks reads: what decides whether it goes to the pool.
+fn checked_bytes<'v>(values: impl Iterator<Item = &'v Value>) -> usize {
+    values.map(|v| v.chunks() * CHECKSUM_CHUNK).sum()
+}
+
 /// Whether each value's chunks after the first (which the lookup checked) match their
 /// checksums; `parallel`: over the rayon pool the caller runs in.
 fn intact(values: &[&Value], parallel: bool) -> Vec<bool> {
@@ -176,8 +181,7 @@ impl Copier {
     /// checksums. The pool checks a big request's chunks together: one thread hashing them in
     /// turn before the copies started took as long as the copies.
     pub fn verify(&self, values: &[&Value]) -> Vec<bool> {
-        let bytes: usize = values.iter().map(|v| v.chunks() * CHECKSUM_CHUNK).sum();
-        match self.pool_for(bytes) {
+        match self.pool_for(checked_bytes(values.iter().copied())) {
             Some(pool) => pool.install(|| intact(values, true)),
             None => intact(values, false),
         }
@@ -187,10 +191,9 @@ impl Copier {
     /// arrives in the returned `Verdict`), else here, before returning.
     pub fn verify_later(&self, values: Vec<Arc<Value>>) -> Arc<Verdict> {
         let verdict = Arc::new(Verdict::default());
-        let bytes: usize = values.iter().map(|v| v.chunks() * CHECKSUM_CHUNK).sum();
-        let Some(pool) = self.pool_for(bytes) else {
+        let Some(pool) = self.pool_for(checked_bytes(values.iter().map(|v| &**v))) else {
             let refs: Vec<&Value> = values.iter().map(|v| &**v).collect();
-            verdict.set(self.verify(&refs));
+            verdict.set(intact(&refs, false));
             return verdict;
         };
         let (v, out) = (values, verdict.clone());
