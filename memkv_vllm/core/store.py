@@ -93,7 +93,7 @@ class _TransferJob:
     remaining: int = 0
     t_done: float = 0.0
     # "transfer"; "mapped": a load in place (addresses and tickets come back); "release": the
-    # end of mapped reads' pins, one ticket per entry of `sizes`.
+    # end of mapped reads' pins, one entry (and one operation) per ticket of `tickets`.
     kind: str = "transfer"
     addresses: list[int] = attrs.Factory(list)
     tickets: list[int] = attrs.Factory(list)
@@ -412,8 +412,9 @@ class BlockStore:
 
     def submit_release(self, job_id: int, tickets: Sequence[int]) -> None:
         t = [int(x) for x in tickets]
-        self._submit(True, job_id, [b""] * len(t), [0] * len(t), t, [None] * len(t),
-                     kind="release")
+        n = len(t)
+        self._submit(True, job_id, [b""] * n, [0] * n, [0] * n, [None] * n, kind="release",
+                     tickets=t)
 
     def known_hit(self, key: bytes) -> bool:
         """An unexpired HIT verdict (see `DirectOffloader.known_hit`)."""
@@ -425,14 +426,15 @@ class BlockStore:
 
     def _submit(self, is_load: bool, job_id: int, keys: list[bytes], ptrs: list[int],
                 sizes: list[int], per_range: list[_Buffer | None],
-                skipped: tuple[bytes, ...] = (), kind: str = "transfer") -> None:
+                skipped: tuple[bytes, ...] = (), kind: str = "transfer",
+                tickets: list[int] | None = None) -> None:
         """Start a job over ranges `_checked` accepted (`per_range`: its buffer per range)."""
         # Each buffer once, in order of first use (dict keys are ordered).
         buffers = list({id(b): b for b in per_range if b is not None}.values())
         for b in buffers:
             b.jobs += 1
         job = _TransferJob(job_id, is_load, keys, ptrs, sizes, buffers, self._clock(), skipped,
-                           kind=kind)
+                           kind=kind, tickets=tickets or [])
         job.statuses = [Status.UNAVAILABLE] * len(job.keys)
         job.addresses = [0] * len(job.keys) if kind == "mapped" else []
         if kind != "release":
@@ -473,7 +475,7 @@ class BlockStore:
                                                       job.sizes[r.lo:r.hi], self._queue, tag)
                 elif job.kind == "release":
                     assert isinstance(self._io, MappedReadClient)
-                    r.op = self._io.submit_release_mapped(job.sizes[r.lo], self._queue, tag)
+                    r.op = self._io.submit_release_mapped(job.tickets[r.lo], self._queue, tag)
                 else:
                     # `job` holds its registered buffers, and they their owners, until it
                     # completes.

@@ -383,8 +383,12 @@ class KVOffloader:
         if b.tickets:
             self._submit_io(b)
             return
+        self._settle_mapped(b, b.ok)
+
+    def _settle_mapped(self, b: _Batch, ok: Sequence[bool]) -> None:
+        """Under the lock: a load in place is over; its place among those in flight is free."""
         self._mapped_open -= 1
-        self._settle(b, b.ok)
+        self._settle(b, ok)
 
     def _copied(self, b: _Batch) -> None:
         """Under the lock: the batch's gather or scatter has passed its fence."""
@@ -425,8 +429,7 @@ class KVOffloader:
         """Under the lock: a load in place got its addresses (scatter out of them, then
         release), or its release's answer (settle)."""
         if b.releasing:
-            self._mapped_open -= 1
-            self._settle(b, b.ok if c.ok else [False] * len(b.entries))
+            self._settle_mapped(b, b.ok if c.ok else [False] * len(b.entries))
             return
         at = dict(zip(c.ok_keys, c.addresses, strict=True))
         b.tickets = c.tickets
