@@ -231,6 +231,8 @@ pub struct Client {
     rdma_provider: Option<String>,
     /// Registered memory the shared-memory transport can hand servers, when it may be used.
     shm_regions: Option<Arc<shm_regions::Regions>>,
+    /// The same-host path, when the transport may take it (`shm`, `auto`).
+    same_host: Option<Arc<shm::Shm>>,
     /// Reads out of same-host servers' memory, once enabled (`enable_mapped_reads`).
     mapped: std::sync::OnceLock<mapped::MappedReads>,
 }
@@ -273,10 +275,15 @@ impl Client {
         let shm_regions = matches!(cfg.transport, TransportChoice::Shm)
             || (cfg.transport == TransportChoice::Auto && !cfg.gpu_memory && !tcp.is_tls());
         let shm_regions = shm_regions.then(|| Arc::new(shm_regions::Regions::default()));
+        // The same-host path, when the transport may take it: `shm` itself, or tried first by
+        // `auto`.
+        let same_host = shm_regions
+            .as_ref()
+            .map(|r| Arc::new(shm::Shm::new(r.clone(), shm_socket.clone())));
         let transport: Arc<dyn Transport> = match cfg.transport {
             TransportChoice::Tcp => Arc::new(tcp),
             TransportChoice::Shm => {
-                let regions = shm_regions.clone().expect("made for shm");
+                let shm = same_host.clone().expect("made for shm");
                 tracing::info!(
                     socket = shm_socket
                         .as_deref()
@@ -289,7 +296,7 @@ impl Client {
                          and carries no TLS; the tls settings are not used"
                     );
                 }
-                Arc::new(shm::Shm::new(regions, shm_socket.clone()))
+                shm
             }
             TransportChoice::Rdma => {
                 let r =
@@ -335,9 +342,9 @@ impl Client {
                 }
             }
         };
-        let transport: Arc<dyn Transport> = match (&shm_regions, cfg.transport) {
-            (Some(regions), TransportChoice::Auto) => Arc::new(shm::SameHostFirst {
-                shm: shm::Shm::new(regions.clone(), shm_socket),
+        let transport: Arc<dyn Transport> = match (&same_host, cfg.transport) {
+            (Some(shm), TransportChoice::Auto) => Arc::new(shm::SameHostFirst {
+                shm: shm.clone(),
                 other: transport,
             }),
             _ => transport,
@@ -360,6 +367,7 @@ impl Client {
             registrations,
             rdma_provider,
             shm_regions,
+            same_host,
             mapped: std::sync::OnceLock::new(),
         }))
     }
@@ -737,17 +745,20 @@ impl Client {
     /// this host, or is down) says why, and its keys' mapped reads answer UNAVAILABLE. Only the
     /// first call's hook counts.
     pub fn enable_mapped_reads(&self, hook: Arc<dyn mapped::MapHook>) -> Vec<Result<(), String>> {
-        if !matches!(
-            self.cfg.transport,
-            TransportChoice::Shm | TransportChoice::Auto
-        ) || self.shm_regions.is_none()
-        {
+        let Some(same_host) = &self.same_host else {
             let why = "mapped reads need the same-host path (transport shm or auto)";
             return vec![Err(why.to_string()); self.pools.len()];
-        }
+        };
+        // Only servers with an address of this host can share their memory: the others are
+        // not asked (under `auto` that would cost a TCP connection each at start-up).
+        let local = self
+            .pools
+            .iter()
+            .map(|p| same_host.serves(&p.addr))
+            .collect();
         let m = self
             .mapped
-            .get_or_init(|| mapped::MappedReads::new(self.pools.len(), hook));
+            .get_or_init(|| mapped::MappedReads::new(local, hook));
         m.open_all(&self.pools, self.deadline())
     }
 

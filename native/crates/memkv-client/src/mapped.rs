@@ -111,6 +111,8 @@ type FileId = (u64, u64);
 
 /// One server: its kept connections and the lane mappings they share.
 struct Server {
+    /// An address of it is on this host: none of its memory can be mapped otherwise.
+    local: bool,
     sides: Vec<Mutex<Side>>,
     maps: Mutex<HashMap<FileId, Weak<LaneMap>>>,
 }
@@ -164,11 +166,15 @@ pub struct MappedReads {
 }
 
 impl MappedReads {
-    pub fn new(servers: usize, hook: Arc<dyn MapHook>) -> MappedReads {
+    /// Over the servers whose `local` entry says an address of theirs is on this host (the
+    /// others' reads answer UNAVAILABLE).
+    pub fn new(local: Vec<bool>, hook: Arc<dyn MapHook>) -> MappedReads {
         MappedReads {
             hook,
-            servers: (0..servers)
-                .map(|_| Server {
+            servers: local
+                .into_iter()
+                .map(|local| Server {
+                    local,
                     sides: (0..CONNS_PER_SERVER).map(|_| Mutex::default()).collect(),
                     maps: Mutex::default(),
                 })
@@ -189,6 +195,9 @@ impl MappedReads {
     ) -> Result<(), String> {
         if side.conn.is_some() {
             return Ok(());
+        }
+        if !server.local {
+            return Err("the server is not on this host".into());
         }
         side.lanes.clear();
         let mut conn = pool.connect_kept(deadline).map_err(|e| e.to_string())?;

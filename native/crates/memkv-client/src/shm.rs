@@ -41,6 +41,12 @@ impl Shm {
         Shm { regions, socket }
     }
 
+    /// Whether a server at `addr` may serve the same-host path: an address of it is on this
+    /// host, or the socket is named (`MEMKV_SHM_SOCKET`).
+    pub fn serves(&self, addr: &str) -> bool {
+        self.candidates(addr).is_ok_and(|c| !c.is_empty())
+    }
+
     /// The unix addresses a server at `addr` may serve its same-host path on: none when no
     /// address of it is on this host.
     fn candidates(&self, addr: &str) -> io::Result<Vec<UnixAddr>> {
@@ -326,7 +332,7 @@ impl Link for ShmLink {
 
 /// `auto` for servers on this host: their same-host socket when one answers, else `other`.
 pub struct SameHostFirst {
-    pub shm: Shm,
+    pub shm: Arc<Shm>,
     pub other: Arc<dyn Transport>,
 }
 
