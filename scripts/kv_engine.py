@@ -9,12 +9,14 @@ blocks it does not compute came from outside the process (memkv, vLLM's fs tier)
          [--kv-config JSON] [--llm-args JSON] [--max-tokens 8]
          [--wait-items N --servers HOST:PORT] [--wait-fs-blocks DIR:N]
 
-prompts.json: a list of {"name": ..., "ids": [token ids], "pool": false}. Per prompt, after a
-warm-up on an unrelated prompt shorter than a block (the first forward of a process pays one-time
-costs that are not TTFT): a max_tokens=1 request, timed (TTFT; its num_cached_tokens is what came
-from outside), then, with --max-tokens > 0, the same prompt greedily with logprobs (the comparison
-with another engine). "pool": true then clears the GPU prefix cache (vLLM's CPU pool keeps its
-blocks) and times the prompt once more: a hit from the CPU pool in the same engine.
+prompts.json: a list of {"name": ..., "ids": [token ids], "pool": false, "gpu": false}. Per
+prompt, after a warm-up on an unrelated prompt shorter than a block (the first forward of a
+process pays one-time costs that are not TTFT): a max_tokens=1 request, timed (TTFT; its
+num_cached_tokens is what came from outside), then, with --max-tokens > 0, the same prompt
+greedily with logprobs (the comparison with another engine). "pool": true then clears the GPU
+prefix cache (vLLM's CPU pool keeps its blocks) and times the prompt once more: a hit from the
+CPU pool in the same engine. "gpu": true times it once more first, right after the first
+request, its prefix in the GPU's own prefix cache: the TTFT of a hit that needs no connector.
 --llm-args: keyword arguments for vllm.LLM over this script's defaults (dtype, max_model_len,
 attention_backend, block_size, enable_cumem_allocator, load_format, ...): the device choices.
 --wait-items / --wait-fs-blocks: before exiting, wait until the memkv server holds N values /
@@ -104,6 +106,8 @@ def main() -> int:
     for p in prompts:
         rec, first = serve(llm, p["ids"], 1)
         rec["prompt_tokens"] = len(first.prompt_token_ids)
+        if p.get("gpu"):
+            rec["gpu"], _ = serve(llm, p["ids"], 1)
         if args.max_tokens > 0:
             full = llm.generate([{"prompt_token_ids": p["ids"]}],
                                 SamplingParams(max_tokens=args.max_tokens, temperature=0.0,

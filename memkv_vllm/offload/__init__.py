@@ -8,7 +8,7 @@
 torch is imported only when a mover is made, so the package imports without it.
 """
 
-from memkv_vllm.offload.offloader import JobResult, KVOffloader
+from memkv_vllm.offload.offloader import JobResult, KVOffloader, MappedBatches
 from memkv_vllm.offload.paged import Entry, KVRef, PagedKV
 
-__all__ = ["Entry", "JobResult", "KVOffloader", "KVRef", "PagedKV"]
+__all__ = ["Entry", "JobResult", "KVOffloader", "KVRef", "MappedBatches", "PagedKV"]

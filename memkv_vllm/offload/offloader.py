@@ -50,13 +50,22 @@ _SLOT_ALIGN = 4096  # slots start on page boundaries: friendlier to DMA and to f
 # How long the I/O thread sleeps in one BlockStore.wait_any: a completion wakes it at once, this
 # only bounds how late it notices close().
 _IO_WAIT_S = 0.2
-# Loads in place: at most this many values and bytes per batch (one GET_MAPPED each, at least
-# one value), and batches in flight at once. No scratch bounds them, so these do: what the
-# server holds pinned for this offloader (a few hundred MiB, well inside its lanes' bound on
-# pinned bytes), and the scatters queued on the GPU.
-_MAPPED_VALUES = 16
-_MAPPED_BYTES = 64 << 20
-_MAPPED_BATCHES = 8
+
+
+@attrs.frozen
+class MappedBatches:
+    """How loads in place are cut: at most `values` values and `nbytes` bytes per batch (one
+    GET_MAPPED each, at least one value), and `in_flight` batches at once. No scratch bounds
+    them, so these do: what the server holds pinned for this offloader (`nbytes * in_flight`,
+    1 GiB at most by default, well inside its lanes' bound on pinned bytes), and the
+    scatters queued on the GPU."""
+
+    values: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    nbytes: int = attrs.field(default=64 << 20, validator=attrs.validators.ge(1))
+    # 16, not 8: on the H200 host, 8 streamed loads of 256 2-MiB values reached 59-74% of the
+    # pinned copy with 8 batches in flight and 71-81% with 16 (benchmarks/offload_gpu.py
+    # --mapped): a batch waits on the server's verification before its place frees up.
+    in_flight: int = attrs.field(default=16, validator=attrs.validators.ge(1))
 
 
 @attrs.frozen
@@ -126,12 +135,12 @@ class KVOffloader:
                  scratch_bytes: int = 256 << 20, batch_values: int = 4,
                  clock: Callable[[], float] = time.monotonic, copy_method: str = "auto",
                  copy_programs: int = 32, device_io: bool = False,
-                 mapped_reads: bool = True) -> None:
+                 mapped_reads: bool = True, mapped_batches: MappedBatches | None = None) -> None:
         """`medium` as `make_mover` (`auto` = host); `device_io`: the store's transport reads
         and writes GPU memory (RDMA with FI_HMEM), so `gpu` scratch slots go to the network
         themselves instead of through pinned host slots. `mapped_reads`: load in place, out of
         same-host servers' memory, where every server shares it (`DirectOffloader.mapped_reads`;
-        host scratch only)."""
+        host scratch only), cut as `mapped_batches` says (default `MappedBatches()`)."""
         self.kv, self._store, self._clock = kv, store, clock
         self.slot_bytes = -(-kv.max_value_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
         n_slots = scratch_bytes // self.slot_bytes
@@ -152,6 +161,7 @@ class KVOffloader:
             why = store.mapped_reads(self.mover.register_host, self.mover.unregister_host)
             self.mapped = why is None
             self.mapped_reason = "on" if why is None else f"off ({why})"
+        self._cut = mapped_batches or MappedBatches()
         self._mapped_open = 0  # mapped batches not settled
         self._free = list(range(n_slots - 1, -1, -1))
         self._queues: dict[bool, collections.deque[_Job]] = {
@@ -302,14 +312,14 @@ class KVOffloader:
         for is_load in (True, False):  # loads first: a request waits for them
             q = self._queues[is_load]
             if q and is_load and self.mapped:
-                if self._mapped_open >= _MAPPED_BATCHES:
+                if self._mapped_open >= self._cut.in_flight:
                     continue
                 job = q[0]
                 entries: list[Entry] = []
                 nbytes = 0
-                while job.pending and len(entries) < _MAPPED_VALUES and (
+                while job.pending and len(entries) < self._cut.values and (
                         not entries
-                        or nbytes + self.kv.value_bytes[job.pending[0].group] <= _MAPPED_BYTES):
+                        or nbytes + self.kv.value_bytes[job.pending[0].group] <= self._cut.nbytes):
                     e = job.pending.popleft()
                     entries.append(e)
                     nbytes += self.kv.value_bytes[e.group]
