@@ -732,6 +732,28 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         size_label(memkv_proto::CHECKSUM_CHUNK),
         checksum_rate()
     );
+    // What TLS adds per byte on each end, for the bound printed under each TLS row.
+    let record = a
+        .tls
+        .then(|| memkv_tls::record_rate::record_layer_rate(256 << 20))
+        .transpose()?;
+    if let Some(r) = &record {
+        println!(
+            "rustls record layer, one core, in memory, {}: seal {:.1} GB/s, open {:.1} GB/s \
+             (a TLS stream reaches at most 1 / (1 + P / {:.1}) of a plaintext stream of P GB/s)",
+            r.suite,
+            r.seal_gbps,
+            r.open_gbps,
+            r.seal_gbps.min(r.open_gbps)
+        );
+        let (seal, open) = memkv_tls::record_rate::cipher_rate(256 << 20)?;
+        println!(
+            "AES-128-GCM alone (ring), one core, in place, 16 KiB records: seal {seal:.1} GB/s, \
+             open {open:.1} GB/s (the bound of a record layer that never copies: 1 / (1 + P / \
+             {:.1}))",
+            seal.min(open)
+        );
+    }
     let rtt = tcp_rtt().map_err(|e| format!("tcp round trip: {e}"))?;
     println!(
         "loopback TCP round trip (32-byte ping-pong, median of 2001): {:.1} us",
@@ -761,7 +783,10 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
         println!("{:>61}shm-put shm-get  put/memcpy get/memcpy", "");
     }
     if tls_bench.is_some() {
-        println!("{:>61}tls-put tls-get  put/plain  get/plain", "");
+        println!(
+            "{:>61}tls-put tls-get  put/plain  get/plain  best put/get (record layer)",
+            ""
+        );
     }
     let mut summary = Summary::default();
     let mut tls_ratios: Vec<f64> = Vec::new();
@@ -861,12 +886,16 @@ pub fn run(a: BenchArgs) -> Result<i32, String> {
                     pct(sg, mc)
                 );
             }
-            if tls_bench.is_some() {
+            if let Some(r) = &record {
+                // Each thread's stream: plaintext's per-thread rate, plus the record layer.
+                let best = |x: f64| 100.0 * r.best_share(x / th as f64);
                 println!(
-                    "{:>61}{tp:>7.2} {tg:>7.2} {:>10.0}% {:>9.0}%",
+                    "{:>61}{tp:>7.2} {tg:>7.2} {:>10.0}% {:>9.0}% {:>9.0}% {:>4.0}%",
                     "",
                     pct(tp, p),
-                    pct(tg, g)
+                    pct(tg, g),
+                    best(p),
+                    best(g)
                 );
                 if size >= TARGET_FROM {
                     tls_ratios.extend([pct(tp, p), pct(tg, g)]);

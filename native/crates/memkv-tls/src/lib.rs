@@ -321,5 +321,7 @@ impl PeerIdentity {
 
 #[cfg(any(test, feature = "ephemeral"))]
 pub mod ephemeral;
+#[cfg(any(test, feature = "ephemeral"))]
+pub mod record_rate;
 #[cfg(test)]
 mod tests;
