@@ -219,6 +219,8 @@ class Run:
         self.engine_args = {**ENGINE_ARGS[args.device],
                             "max_model_len": max(args.prefixes) + SUFFIX_TOKENS + 64,
                             **json.loads(args.engine_args)}
+        self.log_config = work / "logging.json"  # every engine's (VLLM_LOGGING_CONFIG_PATH)
+        self.log_config.write_text(json.dumps(LOGGING))
 
     def engine(self, name: str, kv: dict, pool: bool = False, gpu: bool = False,
                new_items: int = 0,
@@ -241,15 +243,13 @@ class Run:
         t0 = time.monotonic()
         print(f"[gpu_ttft] engine {name} ...", flush=True)
         log = self.work / f"{name}.log"
-        log_config = self.work / "logging.json"
-        log_config.write_text(json.dumps(LOGGING))
         with log.open("w") as f:
             # A session of its own: a timed-out engine is killed with its engine core and
             # workers, which would otherwise outlive it holding memory and /dev/shm queues.
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True,
                                     env={**os.environ, "PYTHONHASHSEED": "0",
-                                         "VLLM_LOGGING_CONFIG_PATH": str(log_config),
+                                         "VLLM_LOGGING_CONFIG_PATH": str(self.log_config),
                                          "PYTHONPATH": os.pathsep.join(
                                              [str(ROOT), os.environ.get("PYTHONPATH", "")])})
             try:
@@ -360,8 +360,8 @@ def table(results: dict[str, dict], prefixes: list[int], kv_token: int, h2d: flo
             jobs = rec.get("load_jobs") or []
             # One load job per request: its bytes over its own time (several: their sum over
             # the longest, as they overlap).
-            job_rate = (sum(b for b, _ in jobs) / max(t for _, t in jobs) / 1e9
-                        if jobs and max(t for _, t in jobs) > 0 else None)
+            longest = max((t for _, t in jobs), default=0.0)
+            job_rate = sum(b for b, _ in jobs) / longest / 1e9 if longest > 0 else None
             rows.append({"prefix": n, "mode": mode, "ttft_ms": ttft * 1e3,
                          "speedup": cold / ttft if cold and mode != "cold" else None,
                          "tokens_from_outside": cached, "kv_gb": cached * kv_token / 1e9,

@@ -135,11 +135,9 @@ class DirectWorker:
     def get_finished(self) -> list[FinishedJob]:
         out, self._ready = self._ready, []
         for r in self.offloader.poll():
-            if not r.is_load and r.failed_block_ids:
-                logger.debug("memkv direct: store job %d: %d block(s) not stored", r.job_id,
-                             len(r.failed_block_ids))
-            # One line per job for whoever needs the transfer rate itself (benchmarks/gpu_ttft.py
-            # reads it): vLLM's own metrics for it differ from version to version.
+            # One line per job (a store's failed blocks are those not stored), also for whoever
+            # needs the transfer rate itself (benchmarks/gpu_ttft.py reads it): vLLM's own
+            # metrics for it differ from version to version.
             logger.debug("memkv direct: %s job %d: %d B in %.6f s, %d block(s) failed",
                          "load" if r.is_load else "store", r.job_id, r.nbytes, r.seconds,
                          len(r.failed_block_ids))

@@ -41,6 +41,16 @@ fn other(e: impl std::fmt::Display) -> String {
     format!("record layer rate: {e}")
 }
 
+/// One write's worth of plaintext that is not all one byte.
+fn plaintext() -> Vec<u8> {
+    (0..SEND_BUFFER).map(|i| (i * 131 % 251) as u8).collect()
+}
+
+/// GB/s (1e9 B/s) of `bytes` moved in `d`.
+fn gbps(bytes: usize, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64().max(1e-9) / 1e9
+}
+
 /// AES-128-GCM alone on one core, sealing and opening 16 KiB records in place (GB/s of
 /// plaintext): `(seal, open)` over `volume` bytes (at least one buffer).
 pub fn cipher_rate(volume: usize) -> Result<(f64, f64), String> {
@@ -52,7 +62,7 @@ pub fn cipher_rate(volume: usize) -> Result<(f64, f64), String> {
         n[4..].copy_from_slice(&seq.to_be_bytes());
         Nonce::assume_unique_for_key(n)
     };
-    let mut buf: Vec<u8> = (0..SEND_BUFFER).map(|i| (i * 131 % 251) as u8).collect();
+    let mut buf = plaintext();
     let mut tags = Vec::with_capacity(SEND_BUFFER / RECORD);
     let (mut seal, mut open) = (Duration::ZERO, Duration::ZERO);
     let (mut moved, mut seq) = (0, 0u64);
@@ -81,8 +91,7 @@ pub fn cipher_rate(volume: usize) -> Result<(f64, f64), String> {
         seq += tags.len() as u64;
         moved += buf.len();
     }
-    let gbps = |d: Duration| moved as f64 / d.as_secs_f64().max(1e-9) / 1e9;
-    Ok((gbps(seal), gbps(open)))
+    Ok((gbps(moved, seal), gbps(moved, open)))
 }
 
 /// Moves `volume` bytes (at least one write) from a client connection to a server connection
@@ -118,7 +127,7 @@ pub fn record_layer_rate(volume: usize) -> Result<RecordRate, String> {
         .negotiated_cipher_suite()
         .map(|s| format!("{:?}", s.suite()))
         .unwrap_or_default();
-    let plain: Vec<u8> = (0..SEND_BUFFER).map(|i| (i * 131 % 251) as u8).collect();
+    let plain = plaintext();
     let mut dest = vec![0u8; SEND_BUFFER];
     let mut wire = Vec::with_capacity(SEND_BUFFER + SEND_BUFFER / 64);
     let (mut seal, mut open) = (Duration::ZERO, Duration::ZERO);
@@ -153,11 +162,10 @@ pub fn record_layer_rate(volume: usize) -> Result<RecordRate, String> {
         }
         moved += plain.len();
     }
-    let gbps = |d: Duration| moved as f64 / d.as_secs_f64().max(1e-9) / 1e9;
     Ok(RecordRate {
         suite,
-        seal_gbps: gbps(seal),
-        open_gbps: gbps(open),
+        seal_gbps: gbps(moved, seal),
+        open_gbps: gbps(moved, open),
     })
 }
 
