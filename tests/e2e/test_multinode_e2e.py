@@ -20,7 +20,8 @@ logprobs equal A's, the cold run's, exactly. Then, B still serving (and every an
 - the server's host drops every packet it sends to the nodes (a blackhole route: no RST, connects
   and reads hang): two of A's prompts are recomputed, each request within its cold time plus the
   lookup deadline; the route restored, B's lookups reach the server again within the client's
-  backoff ceiling and a third prompt loads from memkv, nothing restarted;
+  backoff ceiling and, once the workers' clients are past theirs, stored prompts load from
+  memkv on both ranks, nothing restarted;
 - the server drops only what it sends to node 1: the scheduler on node 0 finds every block and
   leases it, rank 1's loads on node 1 then meet the partition: a partition between the lookup and
   the load, every time. The loads fail into vLLM's recompute path (the recompute connector), each
@@ -91,9 +92,9 @@ PREFIX_WORDS = 600
 PROMPTS = [prompt_text(PREFIX_WORDS) + " hello world", prompt_text(PREFIX_WORDS) + " key value"]
 SHARED = 4 * BLOCK  # the full blocks both prompts share: what engine B gets from memkv
 # Prompts of a prefix of their own each (other seeds), served by engine A once: two that engine
-# B asks for during the partition, one after it.
+# B asks for during the partition, and those it asks for after it until both ranks load.
 CUT = [prompt_text(PREFIX_WORDS, seed) + " hello world" for seed in (1, 2)]
-HEALED = prompt_text(PREFIX_WORDS, 3) + " hello world"
+HEALED = [prompt_text(PREFIX_WORDS, seed) + " hello world" for seed in (3, 18, 19, 46, 47, 48)]
 UNSTORED = prompt_text(PREFIX_WORDS, 4) + " hello world"  # nobody stores it before B's request
 # Served by engine A once each: two prompts that B asks for while only node 1 is cut off, and
 # spares that B asks for until both ranks load (before that cut, after the previous test's
@@ -437,7 +438,7 @@ def cold(net, tmp_path_factory):
         assert {"none", "some"} <= picked.keys(), f"no such prompts among seeds {CANDIDATES}"
         membership = [picked["some"], picked["none"]]
         own = {prompt: answer(engine, prompt)[0]
-               for prompt in [*CUT, HEALED, *SPLIT, *SPARES_BEFORE, *SPARES, RESTARTED,
+               for prompt in [*CUT, *HEALED, *SPLIT, *SPARES_BEFORE, *SPARES, RESTARTED,
                               *TRAFFIC, *membership]}
         wait_items(net["server"], (1 + len(own)) * SHARED // BLOCK * RANKS)
         keys = {prompt: chunk_keys(engine.base, prompt, prefix) for prompt in own}
@@ -535,7 +536,8 @@ def test_a_partition_recomputes_within_the_deadline_and_heals(net, cold, warm) -
     """The server's host drops every packet to the nodes while engine B serves prompts whose
     blocks the cluster holds: B recomputes them, with the cold run's answers, each request
     waiting at most its cold time plus the lookup deadline; once the route is back the same
-    engine's lookups reach the server within the backoff ceiling and a stored prompt loads."""
+    engine's lookups reach the server within the backoff ceiling and stored prompts load on both
+    ranks within it."""
     engine, server, store = warm["engine"], net["server"], net["store"]
     _, cold_s = answer(engine, UNSTORED)  # what a request costs that finds nothing
     store.blackhole(*net["nodes_seen_by_store"])
@@ -567,11 +569,12 @@ def test_a_partition_recomputes_within_the_deadline_and_heals(net, cold, warm) -
         probe += 1
     print(f"partition: lookups reach the server again {time.monotonic() - healed:.2f} s after "
           f"the heal ({probe - 100} probe requests)")
-    before = server.stats()
-    got, _ = answer(engine, HEALED)
-    assert got["cached"] == SHARED  # from memkv again
-    assert same_answer(got, cold["own"][HEALED])
-    assert server.stats()["hits"] - before["hits"] == SHARED // BLOCK * RANKS
+    # The workers' clients failed on their own (the stores of the recomputed prompts) and retry
+    # after their own backoff: stored prompts are recomputed, with A's answers, until one loads
+    # on both ranks.
+    _, tried = until_both_ranks_load(engine, server, cold, HEALED)
+    print(f"partition: both ranks load again {time.monotonic() - healed:.2f} s after the heal "
+          f"({tried} prompts)")
     assert engine.running() and server.alive()  # nothing restarted
 
 
