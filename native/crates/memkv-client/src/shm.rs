@@ -236,6 +236,11 @@ impl OneSided for ShmSide {
             });
             held.push(r);
         }
+        // Only empty values: nothing to copy, and a connection that never needed a region has
+        // told the server of none (it refuses a shared-memory transfer before SHM_REGION).
+        if held.is_empty() {
+            return Ok(None);
+        }
         Ok(Some(Described {
             descs,
             held: Box::new(held),

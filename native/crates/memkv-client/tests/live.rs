@@ -322,6 +322,41 @@ fn a_frame_refused_as_too_large_does_not_mark_the_server_down() {
 }
 
 #[test]
+fn one_call_of_large_values_spreads_over_the_connections_byte_exact() {
+    // Eight 4 MiB values in one PUT and one GET: each value is a part of its own, so the call
+    // runs over several of the server's connections at once (one took them all in turn before),
+    // and every byte comes back to its own key.
+    let s = server(256 << 20, None);
+    let c = Client::new(ClientConfig {
+        servers: vec![s.addr.to_string()],
+        connections_per_server: 8,
+        op_timeout: Duration::from_secs(20),
+        ..ClientConfig::default()
+    })
+    .unwrap();
+    let keys: Vec<Vec<u8>> = (0..8u8).map(|i| vec![b'v', i]).collect();
+    let vals: Vec<Vec<u8>> = (0..8usize)
+        .map(|i| (0..4usize << 20).map(|j| (j * 31 + i * 7) as u8).collect())
+        .collect();
+    let bufs: Vec<Buf> = vals.iter().map(|v| Buf::of(v)).collect();
+    // SAFETY: `vals` outlives the call.
+    let st = unsafe { c.put(&keys, &bufs) };
+    assert_eq!(st, vec![Status::Ok; 8]);
+    let accepted = s
+        .store
+        .metrics
+        .connections_accepted
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(accepted >= 2, "one connection carried all eight values");
+    let mut out: Vec<Vec<u8>> = vec![vec![0u8; 4 << 20]; 8];
+    let dst: Vec<Buf> = out.iter_mut().map(|v| Buf::of_mut(v)).collect();
+    // SAFETY: `out` outlives the call; its buffers are distinct and untouched meanwhile.
+    let st = unsafe { c.get(&keys, &dst) };
+    assert_eq!(st, vec![Status::Ok; 8]);
+    assert!(out == vals, "a value came back with other bytes");
+}
+
+#[test]
 fn batches_beyond_the_protocol_limits_are_split_not_refused() {
     let s = server(64 << 20, None);
     // One connection, so that the whole batch goes into one connection's frames.

@@ -127,7 +127,8 @@ fn round_trips_of_every_size_through_the_servers_copies() {
         .collect();
     let krefs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
     let pb: Vec<Buf> = bufs.iter().map(|&(o, n)| src.buf(o, n)).collect();
-    assert!(put(&c, &krefs, &pb).iter().all(|s| *s == Status::Ok));
+    let st = put(&c, &krefs, &pb);
+    assert!(st.iter().all(|s| *s == Status::Ok), "{st:?}");
     // Each connection the batch went over mapped the source region (in whole pages).
     let after_put = s.shm_mapped_bytes() as usize;
     assert!(
@@ -143,6 +144,23 @@ fn round_trips_of_every_size_through_the_servers_copies() {
     );
     // Nothing went over the socket's payload: the bytes are counted once each way.
     assert_eq!(s.store.metrics.errors("shm_remote"), 0);
+    s.shutdown();
+    s.wait();
+}
+
+#[test]
+fn empty_values_alone_go_over_the_socket_of_a_connection_without_regions() {
+    // A batch of empty values only needs no region: on a connection that has mapped none, it
+    // goes over the socket (a shared-memory transfer before any region is refused there).
+    let s = server();
+    let c = client(&s);
+    let r = Region::new(&c, 4096);
+    assert_eq!(
+        put(&c, &[b"e0", b"e1"], &[r.buf(0, 0), r.buf(0, 0)]),
+        [Status::Ok; 2]
+    );
+    assert_eq!(get(&c, &[b"e0"], &[r.buf(0, 0)]), [Status::Ok]);
+    assert_eq!(s.store.metrics.errors("malformed"), 0);
     s.shutdown();
     s.wait();
 }
