@@ -94,7 +94,8 @@ SHARED = 4 * BLOCK  # the full blocks both prompts share: what engine B gets fro
 # Prompts of a prefix of their own each (other seeds), served by engine A once: two that engine
 # B asks for during the partition, and those it asks for after it until both ranks load.
 CUT = [prompt_text(PREFIX_WORDS, seed) + " hello world" for seed in (1, 2)]
-HEALED = [prompt_text(PREFIX_WORDS, seed) + " hello world" for seed in (3, 18, 19, 46, 47, 48)]
+HEALED = [prompt_text(PREFIX_WORDS, seed) + " hello world"
+          for seed in (3, 18, 19, 46, 47, 48, 49, 400, 401, 402)]  # not the probes' seeds (100-399)
 UNSTORED = prompt_text(PREFIX_WORDS, 4) + " hello world"  # nobody stores it before B's request
 # Served by engine A once each: two prompts that B asks for while only node 1 is cut off, and
 # spares that B asks for until both ranks load (before that cut, after the previous test's
