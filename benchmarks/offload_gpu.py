@@ -89,7 +89,7 @@ def offloader(address: str, kv: PagedKV, medium: str, n: int, method: str,
                        "io_threads": a.io_threads, "transport": a.transport})
     store = BlockStore(MemKVClient.from_config(cfg).codes,
                        StoreOptions(n_read_threads=a.io_threads, n_write_threads=a.io_threads,
-                                    blocks_per_op=1))
+                                    blocks_per_op=a.blocks_per_op))
     name, _, programs = method.partition(":")
     return KVOffloader(kv, store, medium=medium, scratch_bytes=n * (kv.max_value_bytes + 4096),
                        batch_values=a.batch, copy_method=name, copy_programs=int(programs or 32),
@@ -214,6 +214,9 @@ def main() -> None:
     ap.add_argument("--io-threads", type=int, default=8,
                     help="BlockStore I/O threads per direction")
     ap.add_argument("--batch", type=int, default=4, help="KVOffloader batch_values")
+    ap.add_argument("--blocks-per-op", type=int, default=1,
+                    help="BlockStore blocks_per_op: values per client operation (direct mode "
+                         "in an engine: 8, with 4 operations in flight: --io-threads 4)")
     ap.add_argument("--stream", type=int, default=8, help="jobs per streamed run")
     ap.add_argument("--lanes", type=int, default=8, help="memkv serve --lanes")
     ap.add_argument("--server-args", default="",
@@ -227,6 +230,7 @@ def main() -> None:
     sizes = [int(x) for x in a.blocks.split(",")]
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {a.conns} "
           f"connections, {a.io_threads} I/O threads, {a.batch} values per batch, "
+          f"{a.blocks_per_op} values per operation, "
           f"{a.stream} jobs per stream, server lanes {a.lanes}, transport {a.transport}, "
           f"server args {a.server_args or '-'}")
     srv = MemKVServer(memory=a.memory, lanes=a.lanes, extra=shlex.split(a.server_args)).start()

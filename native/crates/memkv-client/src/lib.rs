@@ -186,18 +186,52 @@ impl Frame {
             }
     }
 
-    /// Keys per connection when a server's share of a batch is split over its connections (one
-    /// part per this many keys, rounded up): each further part costs a thread hand-off, tens of
-    /// microseconds. A value moves its bytes, so a few keys already pay for a part of their
-    /// own; a key-only lookup costs the server well under a microsecond, so a batch of up to
-    /// 2,048 keys is answered sooner on one connection (a 1,000-key EXISTS took 75 us on one
-    /// against 104 us split over two, see docs/benchmarks.md).
+    /// Keys per part when a server's share of a batch is split over its connections (one part
+    /// per this many keys, rounded up, one connection each): each further part costs a thread
+    /// hand-off, tens of microseconds. A value moves its bytes, so a few keys already pay for a
+    /// part of their own (`values_per_part` makes it fewer for large values); a key-only lookup
+    /// costs the server well under a microsecond, so a batch of up to 2,048 keys is answered
+    /// sooner on one connection (a 1,000-key EXISTS took 75 us on one against 104 us split over
+    /// two, see docs/benchmarks.md).
     fn keys_per_part(self) -> usize {
         match self {
             Frame::Keys => 2048,
             Frame::KeyLens => 4,
         }
     }
+}
+
+/// How `Client::fan_out` cuts a batch: its frames' kind, and one part (a connection of its own)
+/// per `keys_per_part` keys, up to the server's connection count.
+#[derive(Clone, Copy)]
+struct Cut {
+    frame: Frame,
+    keys_per_part: usize,
+}
+
+impl From<Frame> for Cut {
+    fn from(frame: Frame) -> Cut {
+        Cut {
+            frame,
+            keys_per_part: frame.keys_per_part(),
+        }
+    }
+}
+
+/// The bytes that pay for a part of their own when a PUT or GET is split over connections.
+const PART_BYTES: usize = 1 << 20;
+
+/// Values per part of a PUT or GET: as many as make `PART_BYTES` on average, one at least and
+/// `Frame::KeyLens`'s bound at most. A 2 MiB value keeps a loopback connection busy for hundreds
+/// of microseconds against the part's tens: such values go one per connection, so that a batch
+/// of four uses four connections instead of queueing on one (a direct-mode job of 16 blocks
+/// then keeps all eight of a server's connections busy, not four).
+fn values_per_part(bufs: &[Buf]) -> usize {
+    let total: usize = bufs.iter().map(|b| b.len).sum();
+    let mean = (total / bufs.len().max(1)).max(1);
+    PART_BYTES
+        .div_ceil(mean)
+        .clamp(1, Frame::KeyLens.keys_per_part())
 }
 
 /// Splits `idx` into runs that each fit one frame: at most `MAX_BATCH` keys and a control body
@@ -492,7 +526,7 @@ impl Client {
         self.fan_out(
             deadline,
             keys,
-            Frame::Keys,
+            Frame::Keys.into(),
             &mut out,
             |s| (s, 0),
             |c, idx| {
@@ -513,7 +547,7 @@ impl Client {
         self.fan_out(
             deadline,
             keys,
-            Frame::Keys,
+            Frame::Keys.into(),
             &mut out,
             |s| s,
             |c, idx| {
@@ -574,7 +608,10 @@ impl Client {
         self.fan_out(
             deadline,
             keys,
-            Frame::KeyLens,
+            Cut {
+                frame: Frame::KeyLens,
+                keys_per_part: values_per_part(bufs),
+            },
             &mut out,
             |s| s,
             |c, idx| {
@@ -648,15 +685,15 @@ impl Client {
     }
 
     /// Runs `f` for each (server, key indices) group in parallel, splitting a server's group over
-    /// its connections when it has several and each connection's share into frames that fit the
-    /// protocol's limits, all under `deadline`. Writes each key's result into `out`; keys of a
+    /// its connections when it has several (`cut`'s keys per connection, at least) and
+    /// each connection's share into frames that fit the protocol's limits, all under `deadline`. Writes each key's result into `out`; keys of a
     /// failed server or connection get `fail(status of the failure)`. Invalid keys never reach a
     /// server (they keep what `out` held).
     fn fan_out<K: AsRef<[u8]> + Sync, T: Copy + Send>(
         &self,
         deadline: Instant,
         keys: &[K],
-        kind: Frame,
+        cut: Cut,
         out: &mut [T],
         fail: impl Fn(Status) -> T + Sync,
         f: impl Fn(&mut Conn, &[usize]) -> Result<Vec<T>, ConnError> + Sync,
@@ -675,7 +712,7 @@ impl Client {
             .enumerate()
             .filter(|(_, g)| !g.is_empty())
         {
-            let parts = per.min(g.len().div_ceil(kind.keys_per_part())).max(1);
+            let parts = per.min(g.len().div_ceil(cut.keys_per_part.max(1))).max(1);
             let chunk = g.len().div_ceil(parts);
             tasks.extend(g.chunks(chunk).map(|c| (s, c.to_vec())));
         }
@@ -686,7 +723,7 @@ impl Client {
                 Err(e) => res.resize(idx.len(), fail(e.status())),
                 Ok(mut conn) => {
                     let mut broken: Option<Status> = None;
-                    for fr in frames(&idx, keys, kind) {
+                    for fr in frames(&idx, keys, cut.frame) {
                         if let Some(st) = broken {
                             res.resize(res.len() + fr.len(), fail(st));
                             continue;
@@ -844,5 +881,19 @@ mod tests {
             assert!(body <= memkv_proto::MAX_BODY_LEN as usize, "{body}");
         }
         assert!(frames(&[], &big, Frame::Keys).is_empty());
+    }
+
+    #[test]
+    fn large_values_get_a_part_each_small_ones_share_one() {
+        let of = |lens: &[usize]| -> usize {
+            let bufs: Vec<Buf> = lens.iter().map(|&len| Buf { ptr: 0, len }).collect();
+            values_per_part(&bufs)
+        };
+        assert_eq!(of(&[2 << 20; 4]), 1); // direct mode's 2 MiB blocks
+        assert_eq!(of(&[1 << 20; 16]), 1);
+        assert_eq!(of(&[512 << 10; 4]), 2);
+        assert_eq!(of(&[4096; 64]), Frame::KeyLens.keys_per_part());
+        assert_eq!(of(&[0, 0]), Frame::KeyLens.keys_per_part()); // empty values: no bytes to spread
+        assert_eq!(of(&[]), Frame::KeyLens.keys_per_part());
     }
 }

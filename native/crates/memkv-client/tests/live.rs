@@ -323,8 +323,9 @@ fn a_frame_refused_as_too_large_does_not_mark_the_server_down() {
 
 #[test]
 fn one_call_of_large_values_spreads_over_the_connections_byte_exact() {
-    // Eight 4 MiB values in one PUT and one GET: the call is split over several of the
-    // server's connections at once, and every byte comes back to its own key.
+    // Eight 4 MiB values in one PUT and one GET: each value is a part of its own, so the call
+    // runs over several of the server's connections at once (one took them all in turn before),
+    // and every byte comes back to its own key.
     let s = server(256 << 20, None);
     let c = Client::new(ClientConfig {
         servers: vec![s.addr.to_string()],
