@@ -96,6 +96,10 @@ class PagedKV:
                 if not 0 < r.nbytes <= self.pitch[r.tensor]:
                     raise ValueError(f"group {g}: {r.nbytes} bytes per block in tensor "
                                      f"{r.tensor}, whose block pitch is {self.pitch[r.tensor]}")
+        # Per group: the block ids every one of its tensors has (`check` runs per entry on the
+        # submitting thread: one bound per group, not one per ref, which cost a 16-value job of
+        # a 32-layer model about 0.4 ms on the H200 host).
+        self._group_blocks = [min(self.num_blocks[r.tensor] for r in refs) for refs in self.groups]
         # Per group: each ref's offset inside a value, and the value's length.
         self._ref_offsets = []
         self.value_bytes = []
@@ -127,10 +131,10 @@ class PagedKV:
         if n == 0 or entry.first_pos < 0 or entry.first_pos + n > self.blocks_per_value:
             raise ValueError(f"entry {entry.key!r}: {n} blocks from position {entry.first_pos} "
                              f"do not fit a value of {self.blocks_per_value}")
-        for r in self.groups[entry.group]:
-            if min(entry.block_ids) < 0 or max(entry.block_ids) >= self.num_blocks[r.tensor]:
-                raise ValueError(f"entry {entry.key!r}: block id out of range for tensor "
-                                 f"{r.tensor} ({self.num_blocks[r.tensor]} blocks)")
+        if min(entry.block_ids) < 0 or max(entry.block_ids) >= self._group_blocks[entry.group]:
+            short = min(self.groups[entry.group], key=lambda r: self.num_blocks[r.tensor]).tensor
+            raise ValueError(f"entry {entry.key!r}: block id out of range for tensor "
+                             f"{short} ({self.num_blocks[short]} blocks)")
 
     def pieces(self, entries: Sequence[Entry], slot_ptrs: Sequence[int]
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -64,6 +64,16 @@ class GatedStore:
     def answer(self, io_id: int, ok: bool = True) -> None:
         """Finish one I/O. `ok`: the fake cluster moves the bytes (a key it lacks fails, as
         NOT_FOUND); otherwise every value fails (as a timeout would) and no byte moves."""
+        self.answer_together([io_id], ok)
+
+    def answer_together(self, io_ids: Sequence[int], ok: bool = True) -> None:
+        """Finish several I/Os as `answer` does, all visible to the same `poll`."""
+        done = [self._finish(i, ok) for i in io_ids]
+        with self._cv:
+            self._answered.extend(done)
+            self._cv.notify_all()
+
+    def _finish(self, io_id: int, ok: bool) -> Completion:
         with self._cv:
             io = self._in_flight.pop(io_id)
         if not ok:
@@ -75,9 +85,7 @@ class GatedStore:
         good = [Status.is_ok(s) for s in statuses]
         ok_keys = tuple(k for k, g in zip(io.keys, good, strict=True) if g)
         nbytes = sum(n for n, g in zip(io.sizes, good, strict=True) if g)
-        with self._cv:
-            self._answered.append(Completion(io_id, io.is_load, all(good), ok_keys, nbytes, 0.0))
-            self._cv.notify_all()
+        return Completion(io_id, io.is_load, all(good), ok_keys, nbytes, 0.0)
 
     def poll(self) -> list[Completion]:
         with self._cv:

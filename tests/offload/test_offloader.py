@@ -133,12 +133,20 @@ def test_a_store_reads_its_blocks_once_copied(memkv_server):
 def test_bad_entries_raise_at_submit(memkv_server):
     kv = LAYOUTS["kv_per_layer"](8, "cpu", bpv=2)
     off = offloader(memkv_server.address, kv)
-    for bad in (Entry(b"k", 0, (8,)), Entry(b"k", 1, (0,)), Entry(b"k", 0, (1, 2, 3)),
+    for bad in (Entry(b"k", 0, (8,)), Entry(b"k", 0, (-1,)), Entry(b"k", 1, (0,)),
+                Entry(b"k", 0, (1, 2, 3)),
                 Entry(b"k", 0, (1,), first_pos=2), Entry(b"k", 0, ())):
         with pytest.raises(ValueError):
             off.submit_store(1, [bad])
     assert off.poll() == [] and not off.has_pending_jobs()
     off.close()
+
+
+def test_a_block_id_must_exist_in_every_tensor_of_its_group():
+    kv = PagedKV([torch.zeros((6, 64), dtype=torch.int8), torch.zeros((4, 64), dtype=torch.int8)])
+    kv.check(Entry(b"k", 0, (3,)))
+    with pytest.raises(ValueError, match=r"tensor 1 \(4 blocks\)"):
+        kv.check(Entry(b"k", 0, (4,)))
 
 
 def test_geometry_errors():
