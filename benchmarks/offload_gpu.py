@@ -49,6 +49,7 @@ from tcp_ceiling import best, gbps, tcp_ceiling  # noqa: E402
 from memkv_vllm.core.client import MemKVClient  # noqa: E402
 from memkv_vllm.core.config import load_config  # noqa: E402
 from memkv_vllm.core.store import BlockStore, StoreOptions  # noqa: E402
+from memkv_vllm.direct.options import DirectOptions  # noqa: E402
 from memkv_vllm.offload import Entry, KVOffloader, MappedBatches, PagedKV  # noqa: E402
 
 
@@ -91,7 +92,8 @@ def offloader(address: str, kv: PagedKV, medium: str, n: int, method: str,
                        StoreOptions(n_read_threads=a.io_threads, n_write_threads=a.io_threads,
                                     blocks_per_op=a.blocks_per_op))
     name, _, programs = method.partition(":")
-    return KVOffloader(kv, store, medium=medium, scratch_bytes=n * (kv.max_value_bytes + 4096),
+    scratch = a.scratch_mib << 20 if a.scratch_mib else n * (kv.max_value_bytes + 4096)
+    return KVOffloader(kv, store, medium=medium, scratch_bytes=scratch,
                        batch_values=a.batch, copy_method=name, copy_programs=int(programs or 32),
                        mapped_batches=cut)
 
@@ -218,6 +220,9 @@ def main() -> None:
                     help="BlockStore blocks_per_op: values per client operation (direct mode "
                          "in an engine: 8, with 4 operations in flight: --io-threads 4)")
     ap.add_argument("--stream", type=int, default=8, help="jobs per streamed run")
+    ap.add_argument("--scratch-mib", type=int, default=DirectOptions().scratch_bytes >> 20,
+                    help="the offloader's scratch (default: direct mode's in an engine); 0: "
+                         "one job's values, so streamed jobs wait for each other's slots")
     ap.add_argument("--lanes", type=int, default=8, help="memkv serve --lanes")
     ap.add_argument("--server-args", default="",
                     help="more memkv serve arguments, e.g. '--shm-copy-threads 1'")
@@ -231,7 +236,9 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {a.conns} "
           f"connections, {a.io_threads} I/O threads, {a.batch} values per batch, "
           f"{a.blocks_per_op} values per operation, "
-          f"{a.stream} jobs per stream, server lanes {a.lanes}, transport {a.transport}, "
+          f"{a.stream} jobs per stream, scratch "
+          f"{f'{a.scratch_mib} MiB' if a.scratch_mib else 'one job'}, server lanes {a.lanes}, "
+          f"transport {a.transport}, "
           f"server args {a.server_args or '-'}")
     srv = MemKVServer(memory=a.memory, lanes=a.lanes, extra=shlex.split(a.server_args)).start()
     try:
