@@ -443,22 +443,22 @@ class KVOffloader:
         arrived.append(_Arrived(b, [b.entries[i] for i in good], [b.slots[i] for i in good]))
 
     def _scatter(self, arrived: list[_Arrived]) -> None:
-        """Under the lock: one scatter per job (and kind) for its batches whose values arrived
-        in the same poll, ordered after the caller's stream by the job's own ready marker. A
+        """Under the lock: one scatter per job for its batches whose values arrived in the
+        same poll, ordered after the caller's stream by the job's own ready marker. A
         launch costs the host 0.1-0.3 ms (more while other threads want the GIL), as much as
         the copy of a 4-value batch itself, and a job's operations complete close together
         (they share the connections): one launch instead of one per batch brings the last
         values into their blocks sooner. The batches of a launch share its fence."""
-        launches: dict[tuple[int, bool], list[_Arrived]] = {}
+        launches: dict[_Job, list[_Arrived]] = {}
         for a in arrived:
-            launches.setdefault((id(a.batch.job), a.batch.mapped), []).append(a)
-        for (_, mapped), group in launches.items():
+            launches.setdefault(a.batch.job, []).append(a)
+        for job, group in launches.items():
             entries = [e for a in group for e in a.entries]
             sources = [x for a in group for x in a.sources]
-            ready = group[0].batch.job.ready
-            try:
-                fence = (self.mover.scatter_from(entries, sources, ready) if mapped
-                         else self.mover.scatter(entries, sources, ready))
+            try:  # a job's loads are all in place or all through slots (`self.mapped`)
+                fence = (self.mover.scatter_from(entries, sources, job.ready)
+                         if group[0].batch.mapped
+                         else self.mover.scatter(entries, sources, job.ready))
             except Exception as e:
                 for a in group:
                     self._copy_failed(a.batch, e)
